@@ -1,0 +1,142 @@
+"""Acceptance rules: which drafted tokens the target keeps, and which token it adds itself.
+
+Every rule walks the draft tree from the root and returns a :class:`Verdict`: the accepted node path and the *bonus*
+token, the target's own next token after the last accepted node. Each rule reproduces plain decoding exactly:
+
+* :func:`accept_greedy` — follow the target's argmax; identical tokens to greedy decoding.
+* :func:`accept_sampled` — for deterministic drafts: at each node draw ``x ~ p`` (the target's warped distribution)
+  and descend into the child whose token is ``x``; otherwise stop with ``x``. Every emitted token is a plain draw
+  from ``p``, so the output distribution is exactly the target's.
+* :func:`speculative_sample` — Leviathan et al. (2023) for a drafter that supplies its own distribution ``q``:
+  accept draft ``x ~ q`` with probability ``min(1, p(x) / q(x))``; on rejection resample from
+  ``norm(max(p - q, 0))``. Used by draft-model drafters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hierspec.config import SamplingConfig
+from hierspec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one draft tree.
+
+    Attributes:
+        tree: the verified tree.
+        path: accepted node indices, root excluded, from the first draft token down.
+        bonus: the target's own token after the last accepted node.
+        target_argmax: the target's top-1 prediction after every node of the tree, shape ``[n]`` — tokens the
+            verifier produced anyway, which drafters may recycle.
+    """
+
+    tree: DraftTree
+    path: tuple[int, ...]
+    bonus: int
+    target_argmax: np.ndarray
+
+    @property
+    def accepted_tokens(self) -> list[int]:
+        """Accepted draft tokens followed by the bonus token: what this step adds to the output."""
+        return [int(self.tree.tokens[i]) for i in self.path] + [self.bonus]
+
+    @property
+    def accepted_sources(self) -> list[str]:
+        """Source of each accepted draft token."""
+        return [self.tree.sources[i] for i in self.path]
+
+
+def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The target's sampling distribution from raw logits (last dimension = vocabulary), in float64.
+
+    Temperature, then top-k, then top-p (nucleus: keep the most likely tokens until their mass reaches ``top_p``,
+    always at least one), as transformers applies them.
+    """
+    scores = logits.to(torch.float64) / sampling.temperature
+    vocab = scores.shape[-1]
+    if 0 < sampling.top_k < vocab:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= sampling.top_p  # the token that crosses top_p is kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Draw one token id from a probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+    """Greedy acceptance: descend while the target's argmax equals a child's token.
+
+    ``logits`` has shape ``[n, vocab]``, row ``i`` being the target's prediction after node ``i``.
+    """
+    argmax = logits.argmax(dim=-1).cpu().numpy()
+    path: list[int] = []
+    node = 0
+    while True:
+        token = int(argmax[node])
+        child = tree.children(node).get(token)
+        if child is None:
+            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax)
+        path.append(child)
+        node = child
+
+
+def accept_sampled(
+    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+) -> Verdict:
+    """Lossless acceptance of deterministic drafts under sampling.
+
+    At each node on the walk, draw ``x`` from the target's warped distribution; if a child carries ``x`` the walk
+    moves there (the draft saved a forward pass), else ``x`` is the bonus token. Only rows on the walk are warped.
+    """
+    argmax = logits.argmax(dim=-1).cpu().numpy()
+    path: list[int] = []
+    node = 0
+    while True:
+        token = sample_token(warp_probs(logits[node].cpu(), sampling), generator)
+        child = tree.children(node).get(token)
+        if child is None:
+            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax)
+        path.append(child)
+        node = child
+
+
+def speculative_sample(
+    p: torch.Tensor, q: torch.Tensor, draft_token: int, generator: torch.Generator
+) -> tuple[bool, int]:
+    """One step of speculative sampling (Leviathan et al., 2023, algorithm 1).
+
+    Args:
+        p: target distribution at this position, shape ``[vocab]``.
+        q: draft distribution the draft token was sampled from, shape ``[vocab]``.
+        draft_token: the drafted token.
+        generator: random source.
+
+    Returns:
+        ``(True, draft_token)`` when accepted, else ``(False, replacement)`` with the replacement drawn from the
+        residual ``norm(max(p - q, 0))``. Either way the returned token is distributed exactly as ``p``.
+    """
+    p_x = float(p[draft_token])
+    q_x = float(q[draft_token])
+    # accept with probability min(1, p(x) / q(x))
+    if q_x > 0 and torch.rand((), generator=generator, dtype=torch.float64).item() * q_x < p_x:
+        return True, draft_token
+    residual = torch.clamp(p.to(torch.float64) - q.to(torch.float64), min=0.0)
+    total = float(residual.sum())
+    if total <= 0.0:  # p == q: rejection has probability zero, reachable only through rounding
+        return False, sample_token(p.to(torch.float64), generator)
+    return False, sample_token(residual / total, generator)

@@ -1,0 +1,57 @@
+"""Convenience functions: one call from a prompt string to generated text."""
+
+from __future__ import annotations
+
+from hierspec.config import GenerationConfig, SamplingConfig
+from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecoder
+from hierspec.drafters import Drafter
+from hierspec.methods import make_drafter
+from hierspec.target import TargetModel
+
+
+def _decoder(model: TargetModel, method: str | Drafter) -> SpeculativeDecoder:
+    drafter = method if isinstance(method, Drafter) else make_drafter(method)
+    return SpeculativeDecoder(model, drafter)
+
+
+def make_config(
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: tuple[str, ...] | list[str] = (),
+    max_draft_tokens: int | None = None,
+) -> GenerationConfig:
+    """Build a validated :class:`GenerationConfig` from flat keyword arguments."""
+    extra = {} if max_draft_tokens is None else {"max_draft_tokens": max_draft_tokens}
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        stop=tuple(stop),
+        **extra,
+    )
+
+
+def generate(
+    model: TargetModel, prompt: str, method: str | Drafter = "pld", raw: bool = False, **options
+) -> GenerationResult:
+    """Generate text for a prompt.
+
+    Args:
+        model: a loaded target (:func:`hierspec.load_model`).
+        prompt: user text; wrapped in the chat template unless ``raw``.
+        method: a method name such as ``"ar"`` or ``"pld:max_ngram=4"``, or a drafter instance.
+        options: :func:`make_config` keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
+            ``stop``, ``max_draft_tokens``).
+    """
+    config = make_config(**options)
+    return _decoder(model, method).generate(model.encode_prompt(prompt, raw=raw), config)
+
+
+def stream(
+    model: TargetModel, prompt: str, method: str | Drafter = "pld", raw: bool = False, **options
+) -> GenerationStream:
+    """Like :func:`generate`, but iterate the returned stream for text deltas; ``stream.result`` is set at the end."""
+    config = make_config(**options)
+    return _decoder(model, method).stream(model.encode_prompt(prompt, raw=raw), config)

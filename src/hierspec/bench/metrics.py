@@ -1,0 +1,138 @@
+"""Benchmark metrics: per-question runs aggregated into the per-method, per-task summary."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from hierspec.bench.questions import Question
+
+
+@dataclass
+class QuestionRun:
+    """One method's answer to one question."""
+
+    token_ids: list[int]
+    text: str
+    wall_time: float
+    accept_lengths: list[int]
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class MethodRecord:
+    """All answers of one method, in question order."""
+
+    label: str
+    questions: list[Question] = field(default_factory=list)
+    runs: list[QuestionRun] = field(default_factory=list)
+
+    def add(self, question: Question, run: QuestionRun) -> None:
+        self.questions.append(question)
+        self.runs.append(run)
+
+
+def aggregate(runs: list[QuestionRun]) -> dict:
+    """Totals over runs: tokens/s is total tokens over total time (as Spec-Bench's speed.py), MAT is total tokens
+    over total target forwards."""
+    tokens = sum(r.new_tokens for r in runs)
+    wall = sum(r.wall_time for r in runs)
+    forwards = sum(len(r.accept_lengths) for r in runs)
+    drafted = sum(r.drafted for r in runs)
+    accepted = sum(r.accepted for r in runs)
+    by_source: dict[str, dict[str, int]] = defaultdict(lambda: {"drafted": 0, "accepted": 0})
+    for run in runs:
+        for source, count in run.drafted_by_source.items():
+            by_source[source]["drafted"] += count
+        for source, count in run.accepted_by_source.items():
+            by_source[source]["accepted"] += count
+    return {
+        "questions": len(runs),
+        "new_tokens": tokens,
+        "wall_time": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "mat": tokens / forwards if forwards else 0.0,
+        "target_forwards": forwards,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
+        "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
+        "per_source": dict(by_source),
+    }
+
+
+def summarize(records: dict[str, MethodRecord], baseline: str, model_name: str, max_new_tokens: int) -> dict:
+    """The ``summary.json`` structure: overall and per-task metrics of every method, speedups over ``baseline``."""
+    base = records[baseline]
+    methods = {}
+    for label, record in records.items():
+        overall = aggregate(record.runs)
+        base_overall = aggregate(base.runs)
+        overall["speedup"] = _ratio(overall["tokens_per_s"], base_overall["tokens_per_s"])
+        overall["identical_to_ar"] = _identical_fraction(record.runs, base.runs)
+        per_task = {}
+        for task, indices in _task_indices(record.questions).items():
+            runs = [record.runs[i] for i in indices]
+            base_runs = [base.runs[i] for i in indices]
+            task_metrics = aggregate(runs)
+            per_task[task] = {
+                "speedup": _ratio(task_metrics["tokens_per_s"], aggregate(base_runs)["tokens_per_s"]),
+                "mat": task_metrics["mat"],
+                "tokens_per_s": task_metrics["tokens_per_s"],
+                "acceptance_rate": task_metrics["acceptance_rate"],
+                "identical_to_ar": _identical_fraction(runs, base_runs),
+                "questions": len(runs),
+            }
+        overall["per_task"] = per_task
+        methods[label] = overall
+    return {"model": model_name, "max_new_tokens": max_new_tokens, "baseline": baseline, "methods": methods}
+
+
+def _task_indices(questions: list[Question]) -> dict[str, list[int]]:
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, question in enumerate(questions):
+        groups[question.task].append(i)
+    return dict(groups)
+
+
+def _ratio(value: float, reference: float) -> float:
+    return value / reference if reference > 0 else 0.0
+
+
+def _identical_fraction(runs: list[QuestionRun], base_runs: list[QuestionRun]) -> float:
+    if not runs:
+        return 0.0
+    return sum(r.token_ids == b.token_ids for r, b in zip(runs, base_runs)) / len(runs)
+
+
+@torch.inference_mode()
+def explain_divergence(model, prompt_ids: list[int], reference: list[int], other: list[int]) -> dict:
+    """Where two greedy outputs first differ, and how close the target's top-2 logits were there.
+
+    The logits come from one uncached forward over the prompt and the common prefix, so they are independent of both
+    decoding paths. A gap near zero means a near-tie that rounding differences between a one-token and a multi-token
+    forward can flip.
+    """
+    position = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    ids = torch.tensor([prompt_ids + reference[:position]], device=model.device)
+    logits = model.model(input_ids=ids).logits[0, -1].float()
+    top = torch.topk(logits, 2)
+    return {
+        "position": position,
+        "ar_token": reference[position] if position < len(reference) else None,
+        "other_token": other[position] if position < len(other) else None,
+        "top2_tokens": top.indices.tolist(),
+        "top2_gap": float(top.values[0] - top.values[1]),
+    }

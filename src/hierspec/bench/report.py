@@ -1,0 +1,72 @@
+"""Writing benchmark outputs: Spec-Bench answer files and a Markdown report."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+from hierspec.bench.metrics import MethodRecord
+
+
+def write_answers(out_dir: Path, records: dict[str, MethodRecord], model_name: str) -> None:
+    """One ``answers-METHOD.jsonl`` per method, in Spec-Bench's answer format (first turn only)."""
+    for label, record in records.items():
+        path = out_dir / f"answers-{label.replace(':', '_').replace(',', '_').replace('=', '-')}.jsonl"
+        with open(path, "w", encoding="utf-8") as handle:
+            for question, run in zip(record.questions, record.runs):
+                handle.write(json.dumps({
+                    "question_id": question.question_id,
+                    "category": question.category,
+                    "answer_id": uuid.uuid4().hex,
+                    "model_id": f"{model_name}/{label}",
+                    "choices": [{
+                        "index": 0,
+                        "turns": [run.text],
+                        "decoding_steps": [len(run.accept_lengths)],
+                        "new_tokens": [run.new_tokens],
+                        "wall_time": [run.wall_time],
+                        "accept_lengths": run.accept_lengths,
+                    }],
+                    "tstamp": time.time(),
+                }) + "\n")
+
+
+def write_report(path: Path, summary: dict) -> None:
+    """A Markdown report: overall table, per-task speedup and MAT tables, divergences from ``ar``."""
+    methods = summary["methods"]
+    tasks = sorted({task for m in methods.values() for task in m["per_task"]})
+    lines = [
+        f"# hierspec bench — {summary['model']}",
+        "",
+        f"{summary.get('date', '')}, {summary.get('processor', '')} ({summary.get('cpu_count')} CPUs, "
+        f"{summary.get('torch_threads')} torch threads), {summary.get('device')}, {summary.get('dtype')}, "
+        f"torch {summary.get('torch')}, transformers {summary.get('transformers')}; "
+        f"{summary.get('num_questions')} questions from `{summary.get('questions_file')}`, "
+        f"{summary['max_new_tokens']} new tokens, greedy. Speedup = tokens/s over `{summary['baseline']}` in this run.",
+        "",
+        "| method | tokens/s | speedup | MAT | acceptance | draft time | identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, m in methods.items():
+        lines.append(
+            f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {m['mat']:.2f} | "
+            f"{100 * m['acceptance_rate']:.1f}% | {100 * m['draft_time_share']:.1f}% | {m['identical_to_ar']:.2f} |"
+        )
+    for metric, title in (("speedup", "Speedup per task"), ("mat", "MAT per task"),
+                          ("identical_to_ar", "Identical to ar per task")):
+        lines += ["", f"## {title}", "", "| method | " + " | ".join(tasks) + " |",
+                  "|---|" + "---:|" * len(tasks)]
+        for label, m in methods.items():
+            cells = [f"{m['per_task'][t][metric]:.2f}" if t in m["per_task"] else "" for t in tasks]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    divergences = summary.get("divergences", [])
+    lines += ["", "## Outputs that differ from ar", ""]
+    if not divergences:
+        lines.append("None: every method produced `ar`'s tokens on every question.")
+    else:
+        lines += ["| method | question | first differing position | top-2 logit gap there |", "|---|---|---:|---:|"]
+        for d in divergences:
+            lines.append(f"| {d['method']} | {d['question_id']} | {d['position']} | {d['top2_gap']:.4f} |")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -1,0 +1,161 @@
+"""The ``hierspec`` command line: generate, bench and demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from hierspec.errors import HierspecError
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, help="HF id, local directory or .gguf file (default: SmolLM2-135M)")
+    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float64, bfloat16, float16")
+    group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    group.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling (temperature 0 = greedy)")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``hierspec`` command."""
+    parser = argparse.ArgumentParser(prog="hierspec", description="Lossless speculative decoding for HF causal LMs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    _add_model_options(gen)
+    gen.add_argument("--method", default="pld", help="ar, pld (options: pld:max_ngram=4,draft_len=8)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    _add_sampling_options(gen)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--max-draft-tokens", type=int, default=None, help="draft tokens verified per forward")
+    gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    gen.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    gen.add_argument("--stats", action="store_true", help="print tokens/s, MAT and draft counts")
+    gen.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    bench = sub.add_parser("bench", help="compare methods on Spec-Bench-style questions")
+    bench.add_argument("--questions", required=True, help="Spec-Bench question.jsonl")
+    bench.add_argument("--methods", default="ar,pld", help="comma-separated methods (hf-ar is transformers' generate)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--per-category", type=int, default=None, help="questions per category (default: all)")
+    bench.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
+    bench.add_argument("--out", required=True, help="output directory")
+    bench.add_argument("--max-draft-tokens", type=int, default=None)
+    bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    _add_model_options(bench)
+
+    demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
+    _add_model_options(demo)
+    demo.add_argument("--method", default="pld")
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    return parser
+
+
+def _model_config(args: argparse.Namespace):
+    from hierspec.config import ModelConfig
+
+    return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+
+
+def _load(args: argparse.Namespace):
+    from hierspec.target import load_model
+
+    return load_model(config=_model_config(args))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hierspec.api import make_config
+    from hierspec.decode import SpeculativeDecoder
+    from hierspec.methods import make_drafter
+
+    config = make_config(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop, max_draft_tokens=args.max_draft_tokens,
+    )
+    drafter = make_drafter(args.method)
+    model = _load(args)
+    decoder = SpeculativeDecoder(model, drafter)
+    stream = decoder.stream(model.encode_prompt(args.prompt, raw=args.raw), config)
+    if args.stream and not args.json:
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    else:
+        for _ in stream:
+            pass
+    result = stream.result
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}))
+        return 0
+    if not args.stream:
+        print(result.text)
+    if args.stats:
+        s = result.stats
+        print(
+            f"[{args.method}] {s.new_tokens} tokens in {s.total_time:.2f} s = {s.tokens_per_s:.1f} tokens/s; "
+            f"MAT {s.mean_accepted:.2f} tokens/forward over {s.target_forwards} forwards; "
+            f"drafted {s.drafted_tokens}, accepted {s.accepted_drafts} ({100 * s.acceptance_rate:.0f}%); "
+            f"finish: {result.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hierspec.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(
+        questions=args.questions, methods=tuple(m for m in args.methods.split(",") if m.strip()),
+        max_new_tokens=args.max_new_tokens, per_category=args.per_category, limit=args.limit, out_dir=args.out,
+        max_draft_tokens=args.max_draft_tokens, warmup=args.warmup,
+    )
+    summary = run_bench(config, _model_config(args))
+    print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")
+    for name, m in summary["methods"].items():
+        print(f"  {name:<24} {m['tokens_per_s']:7.2f} tokens/s  speedup {m['speedup']:.3f}  MAT {m['mat']:.2f}"
+              f"  identical_to_ar {m['identical_to_ar']}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hierspec.demo import run_demo
+
+    run_demo(_load(args), method=args.method, max_new_tokens=args.max_new_tokens, out=sys.stdout)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hierspec`` console script; user errors print one line and exit with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except HierspecError as exc:
+        print(f"hierspec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hierspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

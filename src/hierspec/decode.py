@@ -1,0 +1,235 @@
+"""The decoding loop: draft, verify, accept, repeat — shared by every draft source.
+
+Invariant between steps: the KV cache holds every token of the context except the last one, which is the root of
+the next draft tree. Plain decoding is this same loop with the empty draft.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from hierspec.accept import Verdict, accept_greedy, accept_sampled
+from hierspec.config import GenerationConfig
+from hierspec.drafters.base import Drafter
+from hierspec.target import TargetModel
+from hierspec.text import TextAssembler
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generation.
+
+    ``target_forwards`` counts verification forwards (the prompt's prefill is timed separately and not counted);
+    ``accept_lengths`` holds the tokens each forward added (accepted drafts + the bonus token).
+    """
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    drafted_by_source: dict[str, int] = field(default_factory=dict)
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean tokens per target forward (MAT)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of total wall time (prefill included)."""
+        return self.new_tokens / self.total_time if self.total_time > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def record_step(self, verdict: Verdict, added: int) -> None:
+        """Account for one verification step that added ``added`` tokens to the output."""
+        self.target_forwards += 1
+        self.accept_lengths.append(added)
+        self.drafted_tokens += verdict.tree.num_drafted
+        accepted_sources = verdict.accepted_sources[: max(0, added - 1)]
+        self.accepted_drafts += len(accepted_sources)
+        _add_counts(self.drafted_by_source, Counter(verdict.tree.sources[1:]))
+        _add_counts(self.accepted_by_source, Counter(accepted_sources))
+
+    def as_dict(self) -> dict:
+        """Plain-dict form with the derived metrics, for JSON."""
+        out = asdict(self)
+        out.update(mean_accepted=self.mean_accepted, tokens_per_s=self.tokens_per_s,
+                   acceptance_rate=self.acceptance_rate)
+        return out
+
+
+def _add_counts(total: dict[str, int], counts: Counter) -> None:
+    for key, value in counts.items():
+        total[key] = total.get(key, 0) + value
+
+
+@dataclass
+class GenerationResult:
+    """Output of one generation.
+
+    Attributes:
+        token_ids: generated ids (an end-of-sequence token that ended generation included).
+        text: generated text, special tokens removed, cut before the first stop string.
+        finish_reason: ``"eos"``, ``"stop"`` (a stop string) or ``"length"`` (max_new_tokens or context full).
+        stats: counters and timings.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+
+class GenerationStream:
+    """Iterate to receive text as it is accepted; :attr:`result` is set once the iteration ends."""
+
+    def __init__(self, decoder: SpeculativeDecoder, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        self._decoder = decoder
+        self._prompt_ids = list(prompt_ids)
+        self._config = config
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        target = self._decoder.target
+        assembler = TextAssembler(target.decode, self._config.stop)
+        stats = GenerationStats()
+        finish = "length"
+        steps = self._decoder.steps(self._prompt_ids, self._config, stats)
+        for chunk in steps:
+            delta = assembler.feed(chunk)
+            if delta:
+                yield delta
+            if assembler.stopped:
+                finish = "stop"
+                steps.close()
+                break
+            if self._config.stop_at_eos and chunk[-1] in target.eos_token_ids:
+                finish = "eos"
+        tail = assembler.finish()
+        if tail:
+            yield tail
+        self.result = GenerationResult(assembler.token_ids, assembler.text, finish, stats)
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding of one target model with one drafter."""
+
+    def __init__(self, target: TargetModel, drafter: Drafter) -> None:
+        self.target = target
+        self.drafter = drafter
+
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None) -> GenerationResult:
+        """Generate from prompt token ids and return the whole result."""
+        stream = self.stream(prompt_ids, config)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None) -> GenerationStream:
+        """Generate from prompt token ids, yielding text deltas as tokens are accepted."""
+        config = config or GenerationConfig()
+        return GenerationStream(self, self.target.check_prompt_ids(prompt_ids), config)
+
+    def steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
+        """The loop itself: yields the tokens each verification step adds, updating ``stats`` as it goes."""
+        target, drafter = self.target, self.drafter
+        start = time.perf_counter()
+        stats.prompt_tokens = len(prompt_ids)
+        context = _TokenBuffer(prompt_ids, capacity=len(prompt_ids) + config.max_new_tokens + 1)
+        limit = min(config.max_new_tokens, target.max_context - len(prompt_ids))
+        generator = _make_generator(config.sampling.seed)
+        eos = target.eos_token_ids if config.stop_at_eos else frozenset()
+
+        cache = target.new_cache()
+        target.prefill(cache, prompt_ids[:-1])
+        drafter.begin(context.view())
+        target.synchronize()
+        stats.prefill_time = time.perf_counter() - start
+        try:
+            while stats.new_tokens < limit:
+                t0 = time.perf_counter()
+                budget = min(config.max_draft_tokens, target.max_context - len(context), limit - stats.new_tokens)
+                tree = drafter.propose(context.view(), max(0, budget))
+                t1 = time.perf_counter()
+                past = len(context) - 1
+                output = target.forward_tree(cache, tree)
+                if config.sampling.greedy:
+                    verdict = accept_greedy(tree, output.logits)
+                else:
+                    verdict = accept_sampled(tree, output.logits, config.sampling, generator)
+                target.keep_path(cache, past, tree.size, (0, *verdict.path))
+                target.synchronize()
+                t2 = time.perf_counter()
+                new = _truncate(verdict.accepted_tokens, limit - stats.new_tokens, eos)
+                context.extend(new)
+                drafter.observe(verdict, context.view())
+                stats.record_step(verdict, len(new))
+                stats.new_tokens += len(new)
+                stats.draft_time += (t1 - t0) + (time.perf_counter() - t2)
+                stats.verify_time += t2 - t1
+                stats.total_time = time.perf_counter() - start
+                yield new
+                if new[-1] in eos:
+                    return
+        finally:
+            stats.total_time = time.perf_counter() - start
+
+
+def _truncate(tokens: list[int], room: int, eos: frozenset[int]) -> list[int]:
+    """Cut a step's tokens to the room left and just after the first end-of-sequence token."""
+    tokens = tokens[:room]
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator
+
+
+class _TokenBuffer:
+    """A growable int64 array of the context, handed to drafters as a view without copying."""
+
+    def __init__(self, tokens: Sequence[int], capacity: int) -> None:
+        self._data = np.empty(max(capacity, len(tokens)), dtype=np.int64)
+        self._data[: len(tokens)] = tokens
+        self._length = len(tokens)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        end = self._length + len(tokens)
+        if end > self._data.shape[0]:
+            grown = np.empty(max(end, 2 * self._data.shape[0]), dtype=np.int64)
+            grown[: self._length] = self._data[: self._length]
+            self._data = grown
+        self._data[self._length : end] = tokens
+        self._length = end
+
+    def view(self) -> np.ndarray:
+        view = self._data[: self._length]
+        view.flags.writeable = False
+        return view

@@ -1,0 +1,40 @@
+"""The one interface every draft source implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from hierspec.accept import Verdict
+from hierspec.tree import DraftTree, root_only
+
+
+class Drafter(ABC):
+    """A source of draft trees.
+
+    The decoding loop calls :meth:`begin` once per generation, then for every step :meth:`propose` (draft a tree for
+    the current context) and :meth:`observe` (learn from the target's verdict). ``context`` is always the whole token
+    sequence so far — prompt and generated tokens — whose last token is the tree's root.
+    """
+
+    name: str = "drafter"
+
+    def begin(self, prompt: np.ndarray) -> None:
+        """Reset per-generation state; ``prompt`` holds the prompt's token ids."""
+
+    @abstractmethod
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        """Draft a tree rooted at ``context[-1]`` with at most ``budget`` draft tokens (root excluded)."""
+
+    def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
+
+
+class NoDrafter(Drafter):
+    """Plain autoregressive decoding: the empty draft, so each target forward yields exactly one token."""
+
+    name = "ar"
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        return root_only(int(context[-1]))

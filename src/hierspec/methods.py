@@ -1,0 +1,76 @@
+"""Decoding methods by name: ``ar``, ``pld`` … with options written ``name:key=value,key=value``.
+
+Example: ``make_drafter("pld:max_ngram=4,draft_len=8")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hierspec.drafters import Drafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from hierspec.errors import InputError
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method name with its options, parsed from ``name:key=value,...``."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        name, _, rest = text.strip().partition(":")
+        options = []
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise InputError(f"method option {item!r} in {text!r} is not key=value")
+            options.append((key.strip(), value.strip()))
+        if name not in METHODS:
+            raise InputError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
+        return cls(name, tuple(options))
+
+    @property
+    def label(self) -> str:
+        """The spec written back as text, used as the method's name in reports."""
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.name}:{opts}" if opts else self.name
+
+
+def _config_from_options(config_type: type, options: tuple[tuple[str, str], ...], method: str):
+    fields = {f.name: f for f in dataclasses.fields(config_type)}
+    values = {}
+    for key, raw in options:
+        if key not in fields:
+            raise InputError(f"method {method!r} has no option {key!r}; options: {', '.join(fields)}")
+        default = getattr(config_type(), key)
+        try:
+            values[key] = type(default)(raw) if not isinstance(default, bool) else raw.lower() in {"1", "true", "yes"}
+        except ValueError as exc:
+            raise InputError(f"option {key}={raw!r} of method {method!r}: {exc}") from exc
+    return config_type(**values)
+
+
+def _make_ar(spec: MethodSpec) -> Drafter:
+    if spec.options:
+        raise InputError("method 'ar' takes no options")
+    return NoDrafter()
+
+
+def _make_pld(spec: MethodSpec) -> Drafter:
+    return PromptLookupDrafter(_config_from_options(PromptLookupConfig, spec.options, spec.name))
+
+
+METHODS: dict[str, Callable[[MethodSpec], Drafter]] = {
+    "ar": _make_ar,
+    "pld": _make_pld,
+}
+
+
+def make_drafter(method: str | MethodSpec) -> Drafter:
+    """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`."""
+    spec = MethodSpec.parse(method) if isinstance(method, str) else method
+    return METHODS[spec.name](spec)

@@ -1,0 +1,211 @@
+"""The target model: prompt encoding, prefill, tree-verification forward and KV-cache compaction.
+
+The model is an unmodified Hugging Face causal LM. A draft tree is verified in one forward pass by giving the model
+a 4-D additive attention mask (each node sees the cache and its ancestors) and explicit position ids (cache length
+plus depth). Afterwards only the KV entries of the accepted path are kept, using the cache's public API
+(``crop`` and ``update``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from hierspec.config import ModelConfig
+from hierspec.errors import InputError, ModelLoadError
+from hierspec.loading import load_pretrained
+from hierspec.tree import DraftTree, tree_attention_mask, tree_position_ids
+
+
+@dataclass(frozen=True)
+class TreeOutput:
+    """What one verification forward returns.
+
+    Attributes:
+        logits: ``[n, vocab]``, row ``i`` predicting the token after node ``i``.
+        hidden: last hidden state (after the final norm) of every node, ``[n, hidden]``, when asked for.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class TargetModel:
+    """A loaded causal LM with its tokenizer, ready for tree verification.
+
+    Build it with :func:`load_model` or wrap an already loaded model with ``TargetModel(model, tokenizer)``.
+    """
+
+    def __init__(self, model, tokenizer, name: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
+        self._check_cache_layout()
+
+    # ----------------------------------------------------------------- prompts and text
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        """Token ids of a prompt, wrapped in the chat template as a user turn unless ``raw``.
+
+        Raises:
+            InputError: for an empty prompt or one that leaves no room to generate within the model's context.
+        """
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise InputError("the prompt is empty")
+        if raw or not getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = self.encode_messages([{"role": "user", "content": prompt}])
+        return self.check_prompt_ids(list(ids))
+
+    def encode_messages(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a chat conversation with the generation prompt appended."""
+        encoded = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return self.check_prompt_ids([int(t) for t in ids])
+
+    def check_prompt_ids(self, ids: Sequence[int]) -> list[int]:
+        """Validate prompt ids: non-empty, in the vocabulary, and shorter than the model's context."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise InputError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise InputError(
+                f"the prompt has {len(ids)} tokens but the model's context holds {self.max_context}; "
+                "shorten the prompt"
+            )
+        vocab = self.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InputError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of generated ids, special tokens removed."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output embedding (may exceed the tokenizer's length)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """Hash of the tokenizer's vocabulary and special tokens: datastores built with another tokenizer differ."""
+        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        special = sorted(str(t) for t in self.tokenizer.all_special_tokens)
+        blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+        return hashlib.sha256(blob).hexdigest()[:32]
+
+    # ----------------------------------------------------------------- forward passes
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for this model."""
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def prefill(self, cache: DynamicCache, ids: Sequence[int]) -> None:
+        """Run the model over ``ids`` to fill the cache (no logits are needed: the last prompt token is the root)."""
+        if not ids:
+            return
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: DynamicCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:
+        """Verify a draft tree in one forward pass on top of the cache; the cache grows by ``tree.size`` entries."""
+        past = cache.get_seq_length()
+        input_ids = torch.as_tensor(tree.tokens, device=self.device).unsqueeze(0)
+        kwargs = {}
+        if tree.size > 1:
+            kwargs["attention_mask"] = self._additive_mask(tree, past)
+            kwargs["position_ids"] = torch.as_tensor(tree_position_ids(tree, past), device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+            **kwargs,
+        )
+        hidden = out.hidden_states[-1][0] if want_hidden else None
+        return TreeOutput(logits=out.logits[0], hidden=hidden)
+
+    def _additive_mask(self, tree: DraftTree, past: int) -> torch.Tensor:
+        allowed = torch.from_numpy(tree_attention_mask(tree, past)).to(self.device)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return mask[None, None]
+
+    @staticmethod
+    def keep_path(cache: DynamicCache, past: int, tree_size: int, keep: Sequence[int]) -> None:
+        """Drop the KV entries of rejected tree nodes.
+
+        ``past`` is the cache length before the tree forward, ``keep`` the tree node indices to keep, in order (the
+        root and the accepted path). A prefix of the breadth-first order is a plain crop; otherwise the kept entries
+        are gathered, the tree's entries cropped and the gathered ones appended again.
+        """
+        keep = list(keep)
+        if keep == list(range(len(keep))):
+            dropped = tree_size - len(keep)
+            if dropped:
+                cache.crop(-dropped)
+            return
+        index = torch.as_tensor(np.asarray(keep, dtype=np.int64) + past)
+        kept = []
+        for layer in cache.layers:
+            idx = index.to(layer.keys.device)
+            kept.append((layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)))
+        cache.crop(-tree_size)
+        for layer_idx, (keys, values) in enumerate(kept):
+            cache.update(keys, values, layer_idx)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that wall-clock timings are honest on CUDA."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _check_cache_layout(self) -> None:
+        cache = self.new_cache()
+        for layer in cache.layers:
+            if type(layer) is not DynamicLayer:
+                raise ModelLoadError(
+                    f"{self.name}: cache layers of type {type(layer).__name__} (sliding-window, chunked or linear "
+                    "attention) are not supported yet; hierspec needs full-attention layers to verify draft trees"
+                )
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def load_model(spec: str | None = None, config: ModelConfig | None = None) -> TargetModel:
+    """Load a target model by Hugging Face id, local directory or ``.gguf`` file (default: SmolLM2-135M-Instruct).
+
+    Args:
+        spec: model to load; overrides ``config.spec`` when given.
+        config: dtype, device, threads and cache options.
+    """
+    config = config or ModelConfig()
+    if spec is not None:
+        config = ModelConfig(**{**config.__dict__, "spec": spec})
+    model, tokenizer, name, _, _ = load_pretrained(config)
+    return TargetModel(model, tokenizer, name=name)
