@@ -1,0 +1,75 @@
+"""Scripted drafters that know the reference output, for exercising every acceptance path."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hierspec.drafters.base import Drafter
+from hierspec.tree import DraftTree, build_tree
+
+
+class ScriptedDrafter(Drafter):
+    """Drafts fully right, partly right and wrong branches from a known reference continuation.
+
+    Each step draws 1–4 branches; each branch is the true future (``right``), the true future with one token
+    changed (``partial``) or random tokens (``wrong``); the branches are shuffled so the right one is not always
+    first.
+    """
+
+    name = "scripted"
+
+    def __init__(self, prompt_len: int, truth: list[int], vocab: int, seed: int) -> None:
+        self.prompt_len = prompt_len
+        self.truth = list(truth)
+        self.vocab = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        done = len(context) - self.prompt_len
+        future = self.truth[done:done + 8]
+        branches = []
+        for _ in range(int(self.rng.integers(1, 5))):
+            length = int(self.rng.integers(1, 9))
+            kind = self.rng.choice(["right", "partial", "wrong"])
+            if kind == "wrong" or not future:
+                branches.append(self.rng.integers(0, self.vocab, size=length).tolist())
+                continue
+            branch = list(future[:length])
+            if kind == "partial":
+                j = int(self.rng.integers(0, len(branch)))
+                branch[j] = (branch[j] + 1 + int(self.rng.integers(0, self.vocab - 1))) % self.vocab
+            branches.append(branch)
+        order = self.rng.permutation(len(branches))
+        return build_tree(int(context[-1]), [branches[i] for i in order], budget=budget)
+
+
+class AdversarialDrafter(Drafter):
+    """Random draft trees mixing the most likely, least likely and random tokens under a known distribution.
+
+    ``table(prefix)`` returns the target's probability vector after ``prefix`` (generated tokens only).
+    """
+
+    name = "adversarial"
+
+    def __init__(self, prompt_len: int, table, vocab: int, seed: int) -> None:
+        self.prompt_len = prompt_len
+        self.table = table
+        self.vocab = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        generated = [int(t) for t in context[self.prompt_len:]]
+        branches = []
+        for _ in range(int(self.rng.integers(0, 4))):
+            prefix, branch = list(generated), []
+            for _ in range(int(self.rng.integers(1, 4))):
+                probs = self.table(tuple(prefix)) if len(prefix) < 3 else None
+                pick = self.rng.integers(0, 3)
+                if probs is None or pick == 2:
+                    token = int(self.rng.integers(0, self.vocab))
+                else:
+                    token = int(np.argmax(probs) if pick == 0 else np.argmin(probs))
+                branch.append(token)
+                prefix.append(token)
+            branches.append(branch)
+        return build_tree(int(context[-1]), branches, budget=budget)

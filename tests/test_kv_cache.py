@@ -1,0 +1,50 @@
+"""After dropping rejected tree nodes, the KV cache equals the cache of plain decoding over the same tokens."""
+
+import pytest
+import torch
+
+from hierspec.tree import build_tree
+from tiny import ARCHITECTURES, make_target
+
+
+def _assert_same_cache(cache, reference):
+    assert cache.get_seq_length() == reference.get_seq_length()
+    for layer, ref in zip(cache.layers, reference.layers):
+        torch.testing.assert_close(layer.keys, ref.keys, rtol=0, atol=1e-10)
+        torch.testing.assert_close(layer.values, ref.values, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("branch", [0, 1, 2, 3])
+def test_compacted_cache_equals_plain_cache(arch, branch):
+    target = make_target(arch, vocab_size=32, seed=1)
+    prompt = [5, 9, 2, 7, 11]
+    # BFS tokens [11 | 1, 4, 8, 2, 6, 3]: path (1,) is a prefix of the BFS order (a plain crop); the others gather
+    tree = build_tree(prompt[-1], [[1, 2], [4], [8, 3], [1, 6]])
+    assert tree.tokens.tolist() == [11, 1, 4, 8, 2, 6, 3]
+    paths = {0: [1], 1: [1, 4], 2: [3, 6], 3: [1, 5]}
+    keep = [0] + paths[branch]
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    past = cache.get_seq_length()
+    target.forward_tree(cache, tree)
+    target.keep_path(cache, past, tree.size, keep)
+
+    accepted = [int(tree.tokens[i]) for i in keep[1:]]
+    reference = target.new_cache()
+    target.prefill(reference, prompt + accepted)
+    _assert_same_cache(cache, reference)
+
+
+def test_tree_logits_equal_sequential_logits():
+    target = make_target("llama", vocab_size=32, seed=2)
+    prompt = [3, 1, 4, 1, 5]
+    tree = build_tree(prompt[-1], [[9, 2, 6], [5, 3], [9, 8]])
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    logits = target.forward_tree(cache, tree).logits
+    for node in range(tree.size):
+        ids = torch.tensor([prompt + tree.sequence(node)])
+        with torch.inference_mode():
+            expected = target.model(input_ids=ids).logits[0, -1]
+        torch.testing.assert_close(logits[node], expected, rtol=0, atol=1e-9)
