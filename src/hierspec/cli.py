@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from hierspec.errors import HierspecError
+from hierspec.errors import HierspecError, InputError
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +86,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, stop=args.stop, max_draft_tokens=args.max_draft_tokens,
     )
     drafter = make_drafter(args.method)
+    if not args.prompt.strip():
+        raise InputError("the prompt is empty")
     model = _load(args)
     decoder = SpeculativeDecoder(model, drafter)
     stream = decoder.stream(model.encode_prompt(args.prompt, raw=args.raw), config)
@@ -147,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if not args.verbose:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return COMMANDS[args.command](args)
     except HierspecError as exc:

