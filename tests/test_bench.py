@@ -86,3 +86,13 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
     assert {"model", "device", "dtype", "max_new_tokens", "date", "torch"} <= set(saved)
     assert "| pld |" in (out / "report.md").read_text()
     assert summary["divergences"] == []
+
+
+def test_method_lists_keep_options_together():
+    from hierspec.methods import MethodSpec, split_methods
+
+    assert split_methods("ar,pld:max_ngram=4,draft_len=8,hf-ar") == ["ar", "pld:max_ngram=4,draft_len=8", "hf-ar"]
+    assert split_methods("pld:min_ngram=2, max_matches=1 ,ar") == ["pld:min_ngram=2,max_matches=1", "ar"]
+    spec = MethodSpec.parse("pld:min_ngram=2,max_matches=1")
+    assert spec.options == (("min_ngram", "2"), ("max_matches", "1"))
+    assert spec.label == "pld:min_ngram=2,max_matches=1"

@@ -6,6 +6,7 @@ from hierspec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDraf
 
 
 def _cont(context, **kwargs):
+    kwargs.setdefault("min_ngram", 1)
     return [c.tolist() for c in find_continuations(np.array(context, dtype=np.int64), PromptLookupConfig(**kwargs))]
 
 
@@ -31,6 +32,13 @@ def test_match_at_the_end_gives_a_short_continuation():
     assert _cont([3, 8, 3], max_ngram=1, draft_len=5) == [[8, 3]]
 
 
+def test_default_skips_unigram_matches():
+    drafter = PromptLookupDrafter()
+    assert drafter.config.min_ngram == 2
+    assert drafter.propose(np.array([4, 7, 1, 2, 7], dtype=np.int64), budget=8).num_drafted == 0
+    assert drafter.propose(np.array([4, 7, 1, 2, 4, 7], dtype=np.int64), budget=8).tokens.tolist() == [7, 1, 2, 4, 7]
+
+
 def test_no_match_gives_empty_tree():
     drafter = PromptLookupDrafter()
     tree = drafter.propose(np.array([1, 2, 3, 4], dtype=np.int64), budget=8)
@@ -38,7 +46,7 @@ def test_no_match_gives_empty_tree():
 
 
 def test_drafter_merges_matches_into_tree_within_budget():
-    drafter = PromptLookupDrafter(PromptLookupConfig(max_ngram=1, draft_len=3, max_matches=2))
+    drafter = PromptLookupDrafter(PromptLookupConfig(max_ngram=1, min_ngram=1, draft_len=3, max_matches=2))
     tree = drafter.propose(np.array([7, 1, 2, 3, 7, 4, 5, 6, 7], dtype=np.int64), budget=4)
     # most recent match first: [4, 5, 6] whole, then [1] of [1, 2, 3]
     assert tree.tokens.tolist() == [7, 4, 1, 5, 6]
@@ -73,6 +81,6 @@ def _brute_force(context, config):
     max_matches=st.integers(1, 4),
 )
 def test_agrees_with_brute_force(context, max_ngram, draft_len, max_matches):
-    config = PromptLookupConfig(max_ngram=max_ngram, draft_len=draft_len, max_matches=max_matches)
+    config = PromptLookupConfig(max_ngram=max_ngram, min_ngram=1, draft_len=draft_len, max_matches=max_matches)
     assert _cont(context, max_ngram=max_ngram, draft_len=draft_len, max_matches=max_matches) == _brute_force(
         context, config)

@@ -120,9 +120,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from hierspec.bench.runner import BenchConfig, run_bench
+    from hierspec.methods import split_methods
 
     config = BenchConfig(
-        questions=args.questions, methods=tuple(m for m in args.methods.split(",") if m.strip()),
+        questions=args.questions, methods=tuple(split_methods(args.methods)),
         max_new_tokens=args.max_new_tokens, per_category=args.per_category, limit=args.limit, out_dir=args.out,
         max_draft_tokens=args.max_draft_tokens, warmup=args.warmup,
     )

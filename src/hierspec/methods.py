@@ -70,6 +70,23 @@ METHODS: dict[str, Callable[[MethodSpec], Drafter]] = {
 }
 
 
+def split_methods(text: str) -> list[str]:
+    """Split a comma-separated method list whose entries may carry comma-separated options.
+
+    A chunk written ``key=value`` (no method name) continues the options of the method before it:
+    ``"ar,pld:max_ngram=4,draft_len=8,hf-ar"`` → ``["ar", "pld:max_ngram=4,draft_len=8", "hf-ar"]``.
+    """
+    methods: list[str] = []
+    for chunk in (c.strip() for c in text.split(",")):
+        if not chunk:
+            continue
+        if "=" in chunk and ":" not in chunk.split("=", 1)[0] and methods and ":" in methods[-1]:
+            methods[-1] = f"{methods[-1]},{chunk}"
+        else:
+            methods.append(chunk)
+    return methods
+
+
 def make_drafter(method: str | MethodSpec) -> Drafter:
     """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`."""
     spec = MethodSpec.parse(method) if isinstance(method, str) else method

@@ -17,13 +17,15 @@ class PromptLookupConfig:
 
     Attributes:
         max_ngram: longest suffix of the context that is looked up.
-        min_ngram: shortest suffix tried when longer ones have no match.
+        min_ngram: shortest suffix tried when longer ones have no match. The default 2 skips single-token matches:
+            on a CPU a forward over several tokens costs ~1.5x a one-token step, and unigram drafts were accepted
+            too rarely to pay for it (BENCHMARKS.md, PLD tuning).
         draft_len: tokens copied after each match.
         max_matches: distinct continuations merged into the tree (most recent occurrence first).
     """
 
     max_ngram: int = 3
-    min_ngram: int = 1
+    min_ngram: int = 2
     draft_len: int = 10
     max_matches: int = 4
 
