@@ -81,3 +81,54 @@ def test_console_script_prints_no_traceback(model_dir):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "hierspec: error: the prompt is empty"
+
+
+@pytest.fixture(scope="module")
+def store_dir(model_dir, tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus")
+    (corpus / "a.txt").write_text("w5 w6 w7 w8 w9 w10 w11 w12\n")
+    (corpus / "b.jsonl").write_text(json.dumps({"text": "w5 w6 w7 w1 w2 w3"}) + "\n")
+    out = corpus.parent / (corpus.name + "-store")
+    assert main(["datastore", "build", "--kind", "suffix", "--tokenizer", model_dir, "--input",
+                 str(corpus / "a.txt"), "--input", str(corpus / "b.jsonl"), "--out", str(out)]) == 0
+    return str(out)
+
+
+def test_datastore_info(capsys, store_dir):
+    code, out, _ = _run(capsys, "datastore", "info", store_dir)
+    info = json.loads(out)
+    assert code == 0 and info["kind"] == "suffix" and info["num_documents"] == 2 and info["bytes_per_token"] > 0
+
+
+def test_generate_rest_matches_ar(capsys, model_dir, store_dir):
+    outputs = []
+    for method in ("ar", "rest"):
+        code, out, _ = _run(capsys, "generate", "w4 w5 w6", "--model", model_dir, "--raw", "--method", method,
+                            "--datastore", store_dir, "--max-new-tokens", "12", "--json")
+        assert code == 0
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
+def test_rest_without_store_and_with_foreign_store(capsys, model_dir, store_dir, tmp_path):
+    code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "rest")
+    assert code == 2 and "needs a 'suffix' datastore" in err
+    other = tmp_path / "other-model"
+    make_model("llama", vocab_size=80, seed=5, max_positions=64).save_pretrained(other)
+    make_tokenizer(80).save_pretrained(other)
+    code, _, err = _run(capsys, "generate", "w1", "--model", str(other), "--raw", "--method", "rest",
+                        "--datastore", store_dir)
+    assert code == 2 and "was built with tokenizer" in err and "rebuild" in err
+
+
+def test_datastore_build_errors(capsys, model_dir, store_dir, tmp_path):
+    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir, "--out", str(tmp_path / "x"))
+    assert code == 2 and "nothing to index" in err
+    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir, "--input", str(tmp_path / "none"),
+                        "--out", str(tmp_path / "x"))
+    assert code == 2 and "input not found" in err
+    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir, "--input", model_dir,
+                        "--out", store_dir)
+    assert code == 2 and "already exists" in err
+    code, _, err = _run(capsys, "datastore", "info", str(tmp_path))
+    assert code == 2 and "not a hierspec datastore" in err

@@ -83,3 +83,27 @@ def test_generation_stops_at_the_context_limit():
     result = SpeculativeDecoder(target, NoDrafter()).generate(list(range(1, 31)),
                                                              GenerationConfig(max_new_tokens=100, stop_at_eos=False))
     assert len(result.token_ids) == 10 and result.finish_reason == "length"
+
+
+def test_rest_reproduces_plain_decoding(target, tmp_path):
+    from hierspec.datastore.suffix import SuffixStore, build_suffix_store
+    from hierspec.drafters.rest import RestConfig, RestDrafter
+
+    config = GenerationConfig(max_new_tokens=40)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    prompts = _prompts(8, seed=21)
+    references = [plain.generate(p, config).token_ids for p in prompts]
+    # A corpus holding half of the reference outputs (so drafts are often right) and noise.
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(f"w{t}" for t in ref) for ref in references[::2]]
+    corpus += [" ".join(f"w{t}" for t in rng.integers(1, VOCAB, size=30)) for _ in range(20)]
+    out = tmp_path / "store"
+    build_suffix_store(corpus, target.tokenizer, "tiny", target.tokenizer_fingerprint, out)
+    store = SuffixStore.open(out, fingerprint=target.tokenizer_fingerprint)
+    rest = SpeculativeDecoder(target, RestDrafter(store, RestConfig(c=16)))
+    forwards = 0
+    for prompt, reference in zip(prompts, references):
+        result = rest.generate(prompt, config)
+        assert result.token_ids == reference
+        forwards += result.stats.target_forwards
+    assert forwards < sum(len(r) for r in references)

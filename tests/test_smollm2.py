@@ -82,3 +82,24 @@ def test_stop_strings_and_bad_input(model):
         model.encode_prompt("")
     with pytest.raises(InputError, match="context holds 8192"):
         model.encode_prompt("word " * 9000, raw=True)
+
+
+def test_rest_is_identical_to_plain_decoding(model, tmp_path):
+    from hierspec.datastore.suffix import SuffixStore, build_suffix_store
+    from hierspec.drafters.rest import RestConfig, RestDrafter
+
+    config = GenerationConfig(max_new_tokens=48)
+    plain = SpeculativeDecoder(model, NoDrafter())
+    references = [plain.generate(model.encode_prompt(p), config) for p in PROMPTS[:3]]
+    corpus = [references[0].text, references[2].text, "The Moon is Earth's only natural satellite. " * 3,
+              "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
+    out = tmp_path / "store"
+    build_suffix_store(corpus, model.tokenizer, model.name, model.tokenizer_fingerprint, out)
+    store = SuffixStore.open(out, fingerprint=model.tokenizer_fingerprint, tokenizer_name=model.name)
+    rest = SpeculativeDecoder(model, RestDrafter(store, RestConfig(c=16)))
+    accepted = 0
+    for prompt, reference in zip(PROMPTS[:3], references):
+        result = rest.generate(model.encode_prompt(prompt), config)
+        assert result.token_ids == reference.token_ids, prompt
+        accepted += result.stats.accepted_drafts
+    assert accepted > 0

@@ -5,12 +5,12 @@ from __future__ import annotations
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecoder
 from hierspec.drafters import Drafter
-from hierspec.methods import make_drafter
+from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel
 
 
-def _decoder(model: TargetModel, method: str | Drafter) -> SpeculativeDecoder:
-    drafter = method if isinstance(method, Drafter) else make_drafter(method)
+def _decoder(model: TargetModel, method: str | Drafter, datastores: tuple[str, ...]) -> SpeculativeDecoder:
+    drafter = method if isinstance(method, Drafter) else make_drafter(method, DrafterContext(model, datastores))
     return SpeculativeDecoder(model, drafter)
 
 
@@ -34,24 +34,35 @@ def make_config(
 
 
 def generate(
-    model: TargetModel, prompt: str, method: str | Drafter = "pld", raw: bool = False, **options
+    model: TargetModel,
+    prompt: str,
+    method: str | Drafter = "pld",
+    raw: bool = False,
+    datastores: tuple[str, ...] | list[str] = (),
+    **options,
 ) -> GenerationResult:
     """Generate text for a prompt.
 
     Args:
         model: a loaded target (:func:`hierspec.load_model`).
         prompt: user text; wrapped in the chat template unless ``raw``.
-        method: a method name such as ``"ar"`` or ``"pld:max_ngram=4"``, or a drafter instance.
+        method: a method name such as ``"ar"``, ``"pld:max_ngram=4"`` or ``"rest"``, or a drafter instance.
+        datastores: datastore directories for methods that use them (``rest`` takes a ``suffix`` store).
         options: :func:`make_config` keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
             ``stop``, ``max_draft_tokens``).
     """
     config = make_config(**options)
-    return _decoder(model, method).generate(model.encode_prompt(prompt, raw=raw), config)
+    return _decoder(model, method, tuple(datastores)).generate(model.encode_prompt(prompt, raw=raw), config)
 
 
 def stream(
-    model: TargetModel, prompt: str, method: str | Drafter = "pld", raw: bool = False, **options
+    model: TargetModel,
+    prompt: str,
+    method: str | Drafter = "pld",
+    raw: bool = False,
+    datastores: tuple[str, ...] | list[str] = (),
+    **options,
 ) -> GenerationStream:
     """Like :func:`generate`, but iterate the returned stream for text deltas; ``stream.result`` is set at the end."""
     config = make_config(**options)
-    return _decoder(model, method).stream(model.encode_prompt(prompt, raw=raw), config)
+    return _decoder(model, method, tuple(datastores)).stream(model.encode_prompt(prompt, raw=raw), config)

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     _add_model_options(gen)
-    gen.add_argument("--method", default="pld", help="ar, pld (options: pld:max_ngram=4,draft_len=8)")
+    gen.add_argument("--method", default="pld", help="ar, pld, rest (options: pld:max_ngram=4,draft_len=8)")
+    gen.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     _add_sampling_options(gen)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -55,7 +56,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", required=True, help="output directory")
     bench.add_argument("--max-draft-tokens", type=int, default=None)
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
+    bench.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     _add_model_options(bench)
+
+    store = sub.add_parser("datastore", help="build or inspect draft datastores")
+    store_sub = store.add_subparsers(dest="datastore_command", required=True)
+    build = store_sub.add_parser("build", help="build a datastore from a corpus")
+    build.add_argument("--kind", default="suffix", help="store kind: suffix")
+    build.add_argument("--input", action="append", default=[], help="text file, .jsonl, ShareGPT .json or directory")
+    build.add_argument("--format", default="auto", help="auto, text, jsonl, sharegpt or code (applies to --input)")
+    build.add_argument("--preset", action="append", default=[], help="sharegpt or python-stdlib (repeatable)")
+    build.add_argument("--out", required=True, help="directory to create")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    build.add_argument("--tokenizer", default=None, help="model whose tokenizer to use (same as --model)")
+    build.add_argument("--batch-size", type=int, default=1000, help="documents per tokenizer call")
+    build.add_argument("--shard-tokens", type=int, default=None, help="most tokens per shard")
+    _add_model_options(build)
+    show = store_sub.add_parser("info", help="print a datastore's header and sizes")
+    show.add_argument("directory")
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
@@ -79,16 +97,17 @@ def _load(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from hierspec.api import make_config
     from hierspec.decode import SpeculativeDecoder
-    from hierspec.methods import make_drafter
+    from hierspec.methods import DrafterContext, MethodSpec, make_drafter
 
     config = make_config(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop, max_draft_tokens=args.max_draft_tokens,
     )
-    drafter = make_drafter(args.method)
+    spec = MethodSpec.parse(args.method)
     if not args.prompt.strip():
         raise InputError("the prompt is empty")
     model = _load(args)
+    drafter = make_drafter(spec, DrafterContext(model, tuple(args.datastore)))
     decoder = SpeculativeDecoder(model, drafter)
     stream = decoder.stream(model.encode_prompt(args.prompt, raw=args.raw), config)
     if args.stream and not args.json:
@@ -125,7 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(
         questions=args.questions, methods=tuple(split_methods(args.methods)),
         max_new_tokens=args.max_new_tokens, per_category=args.per_category, limit=args.limit, out_dir=args.out,
-        max_draft_tokens=args.max_draft_tokens, warmup=args.warmup,
+        max_draft_tokens=args.max_draft_tokens, warmup=args.warmup, datastores=tuple(args.datastore),
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")
@@ -142,7 +161,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo}
+def cmd_datastore(args: argparse.Namespace) -> int:
+    from hierspec.datastore import build as store_build
+
+    if args.datastore_command == "info":
+        print(json.dumps(store_build.info(args.directory), indent=2))
+        return 0
+    from hierspec.datastore.suffix import SuffixBuildConfig
+
+    if args.tokenizer and args.model and args.tokenizer != args.model:
+        raise InputError("give either --tokenizer or --model, not two different ones")
+    args.model = args.tokenizer or args.model
+    suffix = SuffixBuildConfig(batch_size=args.batch_size,
+                               **({} if args.shard_tokens is None else {"shard_tokens": args.shard_tokens}))
+    request = store_build.BuildRequest(
+        kind=args.kind, out_dir=args.out, inputs=tuple((p, args.format) for p in args.input),
+        presets=tuple(args.preset), model=_model_config(args), overwrite=args.overwrite, suffix=suffix,
+    )
+    header = store_build.build(request)
+    print(f"built {args.out}: {header['num_tokens']} tokens in {header['num_documents']} documents, "
+          f"{len(header['shards'])} shard(s), {header['build_seconds']:.1f} s")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "datastore": cmd_datastore, "demo": cmd_demo}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

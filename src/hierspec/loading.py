@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -152,3 +153,22 @@ def load_pretrained(config: ModelConfig):
     model.to(device)
     model.eval()
     return model, tokenizer, name, device, dtype
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of a tokenizer's vocabulary and special tokens, stored in datastore headers."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:32]
+
+
+def load_tokenizer(config: ModelConfig):
+    """Load only the tokenizer of a model spec: ``(tokenizer, display_name)``."""
+    from transformers import AutoTokenizer
+
+    path, name = materialize(config)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=config.local_files_only), name
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {exc}") from exc

@@ -1,4 +1,4 @@
-"""Decoding methods by name: ``ar``, ``pld`` … with options written ``name:key=value,key=value``.
+"""Decoding methods by name: ``ar``, ``pld``, ``rest`` … with options written ``name:key=value,key=value``.
 
 Example: ``make_drafter("pld:max_ngram=4,draft_len=8")``.
 """
@@ -9,8 +9,33 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hierspec.datastore.format import read_header
 from hierspec.drafters import Drafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.errors import InputError
+
+
+@dataclass(frozen=True)
+class DrafterContext:
+    """What a method may need besides its options: the target (for tokenizer checks) and datastore directories.
+
+    Each datastore's header names its kind; a method takes the stores of the kinds it uses.
+    """
+
+    target: object | None = None
+    datastores: tuple[str, ...] = ()
+
+    def datastore(self, kind: str, method: str) -> str:
+        """The first given datastore of ``kind``, or a clear error naming the option to add."""
+        for path in self.datastores:
+            if read_header(path).get("kind") == kind:
+                return path
+        raise InputError(f"method {method!r} needs a {kind!r} datastore: pass --datastore DIR "
+                         f"(build one with `hierspec datastore build --kind {kind}`)")
+
+    def fingerprint(self) -> tuple[str | None, str]:
+        if self.target is None:
+            return None, ""
+        return self.target.tokenizer_fingerprint, self.target.name
 
 
 @dataclass(frozen=True)
@@ -54,19 +79,30 @@ def _config_from_options(config_type: type, options: tuple[tuple[str, str], ...]
     return config_type(**values)
 
 
-def _make_ar(spec: MethodSpec) -> Drafter:
+def _make_ar(spec: MethodSpec, context: DrafterContext) -> Drafter:
     if spec.options:
         raise InputError("method 'ar' takes no options")
     return NoDrafter()
 
 
-def _make_pld(spec: MethodSpec) -> Drafter:
+def _make_pld(spec: MethodSpec, context: DrafterContext) -> Drafter:
     return PromptLookupDrafter(_config_from_options(PromptLookupConfig, spec.options, spec.name))
 
 
-METHODS: dict[str, Callable[[MethodSpec], Drafter]] = {
+def _make_rest(spec: MethodSpec, context: DrafterContext) -> Drafter:
+    from hierspec.datastore.suffix import SuffixStore
+    from hierspec.drafters.rest import RestConfig, RestDrafter
+
+    config = _config_from_options(RestConfig, spec.options, spec.name)
+    fingerprint, name = context.fingerprint()
+    store = SuffixStore.open(context.datastore("suffix", spec.name), fingerprint=fingerprint, tokenizer_name=name)
+    return RestDrafter(store, config)
+
+
+METHODS: dict[str, Callable[[MethodSpec, DrafterContext], Drafter]] = {
     "ar": _make_ar,
     "pld": _make_pld,
+    "rest": _make_rest,
 }
 
 
@@ -87,7 +123,10 @@ def split_methods(text: str) -> list[str]:
     return methods
 
 
-def make_drafter(method: str | MethodSpec) -> Drafter:
-    """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`."""
+def make_drafter(method: str | MethodSpec, context: DrafterContext | None = None) -> Drafter:
+    """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`.
+
+    ``context`` supplies the target model and datastore directories for methods that need them (``rest``).
+    """
     spec = MethodSpec.parse(method) if isinstance(method, str) else method
-    return METHODS[spec.name](spec)
+    return METHODS[spec.name](spec, context or DrafterContext())

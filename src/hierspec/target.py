@@ -8,8 +8,7 @@ plus depth). Afterwards only the KV entries of the accepted path are kept, using
 
 from __future__ import annotations
 
-import hashlib
-import json
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from hierspec.config import ModelConfig
 from hierspec.errors import InputError, ModelLoadError
-from hierspec.loading import load_pretrained
+from hierspec.loading import load_pretrained, tokenizer_fingerprint
 from hierspec.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
@@ -100,13 +99,10 @@ class TargetModel:
         """Rows of the output embedding (may exceed the tokenizer's length)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
 
-    @property
+    @functools.cached_property
     def tokenizer_fingerprint(self) -> str:
         """Hash of the tokenizer's vocabulary and special tokens: datastores built with another tokenizer differ."""
-        vocab = sorted(self.tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-        special = sorted(str(t) for t in self.tokenizer.all_special_tokens)
-        blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False).encode()
-        return hashlib.sha256(blob).hexdigest()[:32]
+        return tokenizer_fingerprint(self.tokenizer)
 
     # ----------------------------------------------------------------- forward passes
     def new_cache(self) -> DynamicCache:

@@ -8,7 +8,7 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from hierspec.bench.report import write_answers, write_report
 from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
-from hierspec.methods import MethodSpec, make_drafter
+from hierspec.methods import DrafterContext, MethodSpec, make_drafter
 from hierspec.target import TargetModel, load_model
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class BenchConfig:
         out_dir: where answers, ``summary.json`` and ``report.md`` go.
         max_draft_tokens: draft budget per forward (``None``: the generation default).
         warmup: untimed generations per method before timing.
+        datastores: datastore directories for the methods that use them.
     """
 
     questions: str
@@ -51,15 +52,16 @@ class BenchConfig:
     out_dir: str = "bench-out"
     max_draft_tokens: int | None = None
     warmup: int = 1
-    extra: dict = field(default_factory=dict)
+    datastores: tuple[str, ...] = ()
 
 
 class HierspecRunner:
     """Runs a hierspec method (any drafter) on prompt ids."""
 
-    def __init__(self, model: TargetModel, spec: MethodSpec, config: GenerationConfig) -> None:
+    def __init__(self, model: TargetModel, spec: MethodSpec, config: GenerationConfig,
+                 context: DrafterContext) -> None:
         self.label = spec.label
-        self.decoder = SpeculativeDecoder(model, make_drafter(spec))
+        self.decoder = SpeculativeDecoder(model, make_drafter(spec, context))
         self.config = config
 
     def run(self, prompt_ids: list[int]) -> QuestionRun:
@@ -96,7 +98,8 @@ class HfGenerateRunner:
         return QuestionRun(token_ids=new, text=target.decode(new), wall_time=wall, accept_lengths=[1] * len(new))
 
 
-def make_runners(model: TargetModel, methods: tuple[str, ...], config: GenerationConfig) -> list:
+def make_runners(model: TargetModel, methods: tuple[str, ...], config: GenerationConfig,
+                 datastores: tuple[str, ...] = ()) -> list:
     """One runner per method; the ``ar`` baseline is added first when missing (speedups are relative to it)."""
     specs = [m.strip() for m in methods if m.strip()]
     if BASELINE not in specs:
@@ -108,7 +111,7 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
         if text in HF_METHODS:
             runners.append(HfGenerateRunner(model, config))
         else:
-            runners.append(HierspecRunner(model, MethodSpec.parse(text), config))
+            runners.append(HierspecRunner(model, MethodSpec.parse(text), config, DrafterContext(model, datastores)))
     return runners
 
 
@@ -138,7 +141,7 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
         **({} if config.max_draft_tokens is None else {"max_draft_tokens": config.max_draft_tokens}),
     )
     model = model or load_model(config=model_config)
-    runners = make_runners(model, config.methods, gen_config)
+    runners = make_runners(model, config.methods, gen_config, config.datastores)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -1,0 +1,1 @@
+"""Draft datastores: on-disk formats, corpus readers and builders."""

@@ -1,0 +1,215 @@
+"""Suffix-array datastore (REST's statistics-dependent store): build it from a corpus, open it, query it.
+
+Layout of a store directory::
+
+    header.json            magic, version, kind "suffix", tokenizer name + fingerprint, counts, shard list
+    shard-000.tokens       documents' token ids, each document followed by the separator (dtype's max value)
+    shard-000.sa           suffix array of shard-000.tokens (int32; int64 beyond 2^31 tokens)
+
+Shards are searched together; each holds at most ``shard_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from hierspec.datastore.format import (
+    DatastoreError,
+    atomic_directory,
+    check_tokenizer,
+    new_header,
+    open_array,
+    read_header,
+    separator_id,
+    token_dtype,
+    write_array,
+    write_header,
+)
+from hierspec.datastore.suffix_search import as_pattern, gather_continuations, sa_range
+from hierspec.errors import InputError
+
+log = logging.getLogger(__name__)
+
+KIND = "suffix"
+_INT32_LIMIT = np.iinfo(np.int32).max
+
+
+@dataclass(frozen=True)
+class SuffixBuildConfig:
+    """Builder settings.
+
+    Attributes:
+        batch_size: documents tokenized per call (fast tokenizers spread a batch over all cores).
+        shard_tokens: most tokens in one shard (its suffix array stays int32 below 2^31).
+    """
+
+    batch_size: int = 1000
+    shard_tokens: int = _INT32_LIMIT
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0 or not 1 <= self.shard_tokens <= np.iinfo(np.int64).max:
+            raise InputError("batch_size and shard_tokens must be positive")
+
+
+def _batches(documents: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for doc in documents:
+        batch.append(doc)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """Suffix array of a token array (pydivsufsort), int32 when it fits, else int64."""
+    from pydivsufsort import divsufsort
+
+    sa = divsufsort(np.ascontiguousarray(tokens), force64=tokens.shape[0] > _INT32_LIMIT)
+    return sa.astype(np.int32 if tokens.shape[0] <= _INT32_LIMIT else np.int64, copy=False)
+
+
+def build_suffix_store(
+    documents: Iterable[str],
+    tokenizer,
+    tokenizer_name: str,
+    fingerprint: str,
+    out_dir: str | Path,
+    config: SuffixBuildConfig | None = None,
+    sources: list[str] | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Tokenize documents and write a suffix-array store atomically; return its header."""
+    config = config or SuffixBuildConfig()
+    dtype = token_dtype(len(tokenizer))
+    separator = separator_id(dtype)
+    start = time.perf_counter()
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        shards: list[dict] = []
+        pending: list[np.ndarray] = []
+        pending_tokens = 0
+        num_docs = 0
+        progress = tqdm(desc="tokenizing", unit="doc")
+        for batch in _batches(documents, config.batch_size):
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                if not ids:
+                    continue
+                doc = np.empty(len(ids) + 1, dtype=dtype)
+                doc[:-1] = ids
+                doc[-1] = separator
+                if pending and pending_tokens + doc.shape[0] > config.shard_tokens:
+                    shards.append(_write_shard(tmp, len(shards), pending))
+                    pending, pending_tokens = [], 0
+                pending.append(doc)
+                pending_tokens += doc.shape[0]
+                num_docs += 1
+            progress.update(len(batch))
+            progress.set_postfix(tokens=sum(s["num_tokens"] for s in shards) + pending_tokens)
+        progress.close()
+        if pending:
+            shards.append(_write_shard(tmp, len(shards), pending))
+        if not shards:
+            raise InputError("the inputs hold no text to index")
+        num_tokens = sum(s["num_tokens"] for s in shards)
+        header = new_header(
+            KIND, tokenizer_name, fingerprint,
+            vocab_size=len(tokenizer), token_dtype=dtype.name, separator=separator, num_tokens=num_tokens,
+            num_documents=num_docs, shards=shards, sources=sources or [],
+            build_seconds=round(time.perf_counter() - start, 3),
+        )
+        write_header(tmp, header)
+    return header
+
+
+def _write_shard(directory: Path, index: int, docs: list[np.ndarray]) -> dict:
+    tokens = np.concatenate(docs)
+    log.info("indexing shard %d (%d tokens)", index, tokens.shape[0])
+    with tqdm(total=1, desc=f"suffix array shard {index}", unit="shard") as bar:
+        sa = suffix_array(tokens)
+        bar.update(1)
+    return {
+        "num_tokens": int(tokens.shape[0]),
+        "tokens": write_array(directory, f"shard-{index:03d}.tokens", tokens),
+        "suffix_array": write_array(directory, f"shard-{index:03d}.sa", sa),
+    }
+
+
+@dataclass(frozen=True)
+class Match:
+    """Result of a longest-suffix lookup: the matched length and the suffix-array row range in each shard."""
+
+    length: int
+    ranges: tuple[tuple[int, int], ...]
+
+    @property
+    def count(self) -> int:
+        """Occurrences of the matched suffix in the whole store."""
+        return sum(hi - lo for lo, hi in self.ranges)
+
+
+class SuffixStore:
+    """A suffix-array store opened by memory map (nothing is copied into RAM)."""
+
+    def __init__(self, directory: Path, header: dict, shards: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        self.directory = directory
+        self.header = header
+        self.shards = shards
+        self.separator = int(header["separator"])
+
+    @classmethod
+    def open(cls, directory: str | Path, fingerprint: str | None = None, tokenizer_name: str = "") -> SuffixStore:
+        """Open and validate a store; with ``fingerprint``, refuse a store built with another tokenizer."""
+        directory = Path(directory)
+        header = read_header(directory, kind=KIND)
+        if fingerprint is not None:
+            check_tokenizer(header, directory, fingerprint, tokenizer_name)
+        try:
+            shards = [(open_array(directory, s["tokens"]), open_array(directory, s["suffix_array"]))
+                      for s in header["shards"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DatastoreError(f"{directory}/header.json is incomplete or corrupt: {exc}") from exc
+        for tokens, sa in shards:
+            if tokens.shape != sa.shape:
+                raise DatastoreError(f"{directory}: a token file and its suffix array differ in length; rebuild")
+        return cls(directory, header, shards)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.header["num_tokens"])
+
+    def longest_match(self, context: np.ndarray, n_max: int, n_min: int) -> Match | None:
+        """The longest suffix of ``context`` (from ``n_max`` tokens down to ``n_min``) found in the store."""
+        context = as_pattern(context[-n_max:])
+        for n in range(min(n_max, context.shape[0]), n_min - 1, -1):
+            pattern = context[-n:]
+            ranges = tuple(sa_range(tokens, sa, pattern) for tokens, sa in self.shards)
+            if any(hi > lo for lo, hi in ranges):
+                return Match(n, ranges)
+        return None
+
+    def continuations(self, match: Match, k: int, m: int) -> np.ndarray:
+        """Up to ``k`` continuations of ``m`` tokens after the match, spread over shards by their share of hits.
+
+        Returns an int64 array ``[rows, m]`` padded with ``-1`` where a continuation meets a document end.
+        """
+        total = match.count
+        parts = []
+        for (tokens, sa), (lo, hi) in zip(self.shards, match.ranges):
+            if hi > lo:
+                share = max(1, (k * (hi - lo)) // total)
+                parts.append(gather_continuations(tokens, sa, lo, hi, match.length, share, m, self.separator))
+        return np.concatenate(parts) if parts else np.empty((0, m), dtype=np.int64)
+
+    def info(self) -> dict:
+        """Header plus on-disk sizes."""
+        size = sum(f.stat().st_size for f in self.directory.iterdir() if f.is_file())
+        return {**self.header, "bytes_on_disk": size,
+                "bytes_per_token": size / self.num_tokens if self.num_tokens else 0.0}
