@@ -3,7 +3,8 @@
 Usage:
     python scripts/compare_draftretriever.py --store DIR --answers bench-out/core/answers-ar.jsonl --out FILE.json
 
-Measures for both: build time, size on disk, RSS after load, query latency p50/p99. Queries are contexts taken from
+Measures for both: build time from the same token ids (indexing only; tokenization is reported with the store),
+size on disk, peak RSS while building, RSS after load, query latency p50/p99. Queries are contexts taken from
 real generations (every 4th position of each answer, the prompt-free last 16 tokens). Each side runs in its own
 process so that RSS is its own. hierspec's query is the whole REST drafting step (longest match, continuations,
 trie top-c, draft tree); DraftRetriever's is its `search` loop from 16 tokens down to 2, as REST's code calls it.
@@ -104,7 +105,7 @@ def build_draftretriever(store_dir: str, index_file: str, vocab_size: int, resul
 
     store = SuffixStore.open(store_dir)
     t0 = time.perf_counter()
-    writer = draftretriever.Writer(index_file_path=index_file, vocab_size=vocab_size)
+    writer = draftretriever.Writer(file_path=index_file, vocab_size=vocab_size)
     for tokens, _ in store.shards:
         bounds = np.flatnonzero(np.asarray(tokens) == store.separator)
         start = 0
@@ -113,7 +114,31 @@ def build_draftretriever(store_dir: str, index_file: str, vocab_size: int, resul
                 writer.add_entry(np.asarray(tokens[start:end]).tolist())
             start = end + 1
     writer.finalize()
-    result.update(build_seconds=time.perf_counter() - t0, bytes_on_disk=os.path.getsize(index_file), peak_rss_mb=rss_mb())
+    result.update(build_seconds=time.perf_counter() - t0, bytes_on_disk=os.path.getsize(index_file),
+                  peak_rss_mb=peak_rss_mb())
+
+
+def index_hierspec(store_dir: str, out_dir: str, result: dict) -> None:
+    """hierspec's indexing alone (suffix array + writing), from the same tokens DraftRetriever is given."""
+    from hierspec.datastore.format import write_array
+    from hierspec.datastore.suffix import SuffixStore, suffix_array
+
+    store = SuffixStore.open(store_dir)
+    t0 = time.perf_counter()
+    size = 0
+    for index, (tokens, _) in enumerate(store.shards):
+        tokens = np.array(tokens)
+        sa = suffix_array(tokens)
+        write_array(Path(out_dir), f"t{index}", tokens)
+        write_array(Path(out_dir), f"s{index}", sa)
+        size += tokens.nbytes + sa.nbytes
+    result.update(build_seconds=time.perf_counter() - t0, bytes_on_disk=size, peak_rss_mb=peak_rss_mb())
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def in_process(target, *args) -> dict:
@@ -143,6 +168,8 @@ def main() -> None:
                                                "bytes_per_token")},
               "queries": len(queries), "settings": {"k": K, "choices": CHOICES, "long": LONG, "n_max": N_MAX}}
     report["hierspec"] = in_process(run_hierspec, args.store, queries)
+    with tempfile.TemporaryDirectory() as tmp:
+        report["hierspec_index"] = in_process(index_hierspec, args.store, tmp)
     with tempfile.TemporaryDirectory() as tmp:
         index_file = str(Path(tmp) / "draftretriever.idx")
         report["draftretriever_build"] = in_process(build_draftretriever, args.store, index_file, header["vocab_size"])

@@ -130,4 +130,6 @@ def test_code_directory(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("def f():\n    return 1\n")
     (tmp_path / "pkg" / "b.bin").write_bytes(b"\x00\xff")
+    (tmp_path / "pkg" / "site-packages" / "dep").mkdir(parents=True)
+    (tmp_path / "pkg" / "site-packages" / "dep" / "c.py").write_text("x = 1\n")
     assert list(iter_documents(tmp_path / "pkg")) == ["def f():\n    return 1\n"]

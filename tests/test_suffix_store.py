@@ -107,6 +107,9 @@ def test_top_trie_nodes_hand_example():
     assert [s.tolist() for s in top_trie_nodes(rows, 6)] == [[5], [5, 6], [3], [3, 4], [3, 4, 4], [5, 6, 7]]
     assert [s.tolist() for s in top_trie_nodes(rows, 2)] == [[5], [5, 6]]
     assert top_trie_nodes(np.empty((0, 3), dtype=np.int64), 4) == []
+    # min_count 3 keeps [5] (4 rows) and [5, 6] (3 rows) only
+    assert [s.tolist() for s in top_trie_nodes(rows, 6, min_count=3)] == [[5], [5, 6]]
+    assert top_trie_nodes(rows, 6, min_count=5) == []
 
 
 @settings(max_examples=200, deadline=None)
@@ -141,3 +144,16 @@ def test_rest_drafter_builds_tree_from_store():
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1]
     assert drafter.propose(np.array([8, 9]), budget=16).num_drafted == 0
     assert drafter.propose(np.array([1, 2]), budget=2).num_drafted == 2
+    # [3] starts 2 of 3 continuations, [3, 4] and [3, 5] one each: min_share 0.5 keeps [3] only
+    confident = RestDrafter(store, RestConfig(n_max=4, n_min=1, m=3, c=4, min_share=0.5))
+    assert confident.propose(np.array([0, 1, 2]), budget=16).tokens.tolist() == [2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(-1, 70000), min_size=5, max_size=5), min_size=1, max_size=20))
+def test_packed_order_is_lexicographic(rows):
+    from hierspec.drafters.rest import lexicographic_order
+
+    array = np.array(rows, dtype=np.int64)
+    ordered = [tuple(r) for r in array[lexicographic_order(array)].tolist()]
+    assert ordered == sorted(map(tuple, rows))

@@ -19,6 +19,8 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "text", "jsonl", "sharegpt", "code")
 CODE_SUFFIXES = frozenset({".py", ".c", ".h", ".cpp", ".hpp", ".js", ".ts", ".java", ".go", ".rs", ".rb", ".sh"})
+# Installed third-party packages, VCS metadata and caches are not the code a directory is meant to contribute.
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", ".git", ".hg", "node_modules", ".venv"})
 _ASSISTANT_ROLES = frozenset({"assistant", "gpt", "chatgpt", "bing", "bard", "model"})
 _READ_CHUNK = 1 << 20
 
@@ -56,7 +58,11 @@ def _read_text(path: Path) -> Iterator[str]:
 
 
 def _read_code(path: Path) -> Iterator[str]:
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in CODE_SUFFIXES)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(p for p in path.rglob("*") if p.suffix in CODE_SUFFIXES
+                       and not SKIPPED_DIRS.intersection(p.relative_to(path).parts[:-1]))
     for file in files:
         try:
             text = file.read_text(encoding="utf-8")
