@@ -14,6 +14,7 @@ token, the target's own next token after the last accepted node. Each rule repro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,15 +85,7 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
     ``logits`` has shape ``[n, vocab]``, row ``i`` being the target's prediction after node ``i``.
     """
     argmax = logits.argmax(dim=-1).cpu().numpy()
-    path: list[int] = []
-    node = 0
-    while True:
-        token = int(argmax[node])
-        child = tree.children(node).get(token)
-        if child is None:
-            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax)
-        path.append(child)
-        node = child
+    return _walk(tree, lambda node: int(argmax[node]), argmax)
 
 
 def accept_sampled(
@@ -104,10 +97,15 @@ def accept_sampled(
     moves there (the draft saved a forward pass), else ``x`` is the bonus token. Only rows on the walk are warped.
     """
     argmax = logits.argmax(dim=-1).cpu().numpy()
+    return _walk(tree, lambda node: sample_token(warp_probs(logits[node].cpu(), sampling), generator), argmax)
+
+
+def _walk(tree: DraftTree, target_token: Callable[[int], int], argmax: np.ndarray) -> Verdict:
+    """Descend from the root while the target's token after the current node is one of its children."""
     path: list[int] = []
     node = 0
     while True:
-        token = sample_token(warp_probs(logits[node].cpu(), sampling), generator)
+        token = target_token(node)
         child = tree.children(node).get(token)
         if child is None:
             return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax)

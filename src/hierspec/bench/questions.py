@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from hierspec.errors import InputError
+from hierspec.jsonl import iter_jsonl
 
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -34,20 +34,16 @@ def load_questions(path: str | Path) -> list[Question]:
     if not path.is_file():
         raise InputError(f"question file not found: {path}")
     questions = []
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                turns = record["turns"]
-                if isinstance(turns, str):
-                    turns = [turns]
-                questions.append(
-                    Question(record.get("question_id", line_no), record.get("category", "default"), tuple(turns))
-                )
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise InputError(f"{path}:{line_no}: not a Spec-Bench question ({exc})") from exc
+    for line_no, record in iter_jsonl(path):
+        try:
+            turns = record["turns"]
+            if isinstance(turns, str):
+                turns = [turns]
+            questions.append(
+                Question(record.get("question_id", line_no), record.get("category", "default"), tuple(turns))
+            )
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InputError(f"{path}:{line_no}: not a Spec-Bench question ({exc!r})") from exc
     if not questions:
         raise InputError(f"{path} holds no questions")
     return questions

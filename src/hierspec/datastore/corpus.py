@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hierspec.errors import InputError
+from hierspec.jsonl import iter_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +74,8 @@ def _read_code(path: Path) -> Iterator[str]:
 
 
 def _read_jsonl(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from exc
-            yield from _record_texts(record)
+    for _, record in iter_jsonl(path):
+        yield from _record_texts(record)
 
 
 def _record_texts(record) -> Iterator[str]:
