@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hierspec.cli import main
@@ -132,3 +133,30 @@ def test_datastore_build_errors(capsys, model_dir, store_dir, tmp_path):
     assert code == 2 and "already exists" in err
     code, _, err = _run(capsys, "datastore", "info", str(tmp_path))
     assert code == 2 and "not a hierspec datastore" in err
+
+
+def test_datastore_build_with_chat_template(capsys, tmp_path):
+    model = tmp_path / "chat-model"
+    make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(model)
+    tokenizer = make_tokenizer(64)
+    tokenizer.chat_template = "{% for m in messages %}w60 {{ m['content'] }} w61 {% endfor %}"
+    tokenizer.save_pretrained(model)
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("w1 w2 w3")
+    out = tmp_path / "store"
+    assert main(["datastore", "build", "--tokenizer", str(model), "--input", str(corpus), "--out", str(out),
+                 "--chat-template"]) == 0
+    from hierspec.datastore.suffix import SuffixStore
+
+    tokens = np.asarray(SuffixStore.open(out).shards[0][0]).tolist()
+    assert tokens[:-1] == [60, 1, 2, 3, 61]  # the template's markup around the document, then the separator
+    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir_without_template(tmp_path),
+                        "--input", str(corpus), "--out", str(tmp_path / "x"), "--chat-template")
+    assert code == 2 and "has no chat template" in err
+
+
+def model_dir_without_template(tmp_path):
+    path = tmp_path / "plain-model"
+    make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(path)
+    make_tokenizer(64).save_pretrained(path)
+    return str(path)

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--preset", action="append", default=[], help="sharegpt or python-stdlib (repeatable)")
     build.add_argument("--out", required=True, help="directory to create")
     build.add_argument("--overwrite", action="store_true", help="replace an existing directory")
+    build.add_argument("--chat-template", action="store_true",
+                       help="index each document as an assistant turn rendered with the chat template")
     build.add_argument("--tokenizer", default=None, help="model whose tokenizer to use (same as --model)")
     build.add_argument("--batch-size", type=int, default=1000, help="documents per tokenizer call")
     build.add_argument("--shard-tokens", type=int, default=None, help="most tokens per shard")
@@ -177,6 +179,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     request = store_build.BuildRequest(
         kind=args.kind, out_dir=args.out, inputs=tuple((p, args.format) for p in args.input),
         presets=tuple(args.preset), model=_model_config(args), overwrite=args.overwrite, suffix=suffix,
+        chat_template=args.chat_template,
     )
     header = store_build.build(request)
     print(f"built {args.out}: {header['num_tokens']} tokens in {header['num_documents']} documents, "

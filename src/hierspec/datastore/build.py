@@ -28,6 +28,8 @@ class BuildRequest:
         presets: named corpora (``sharegpt``, ``python-stdlib``) added to the inputs.
         model: the model (or tokenizer) whose tokenizer the store uses.
         overwrite: replace an existing directory.
+        chat_template: index each document rendered as an assistant turn of the tokenizer's chat template
+            (so the store also holds the template's markup the model generates around answers).
         suffix: suffix-store builder settings.
     """
 
@@ -37,6 +39,7 @@ class BuildRequest:
     presets: tuple[str, ...] = ()
     model: ModelConfig = ModelConfig()
     overwrite: bool = False
+    chat_template: bool = False
     suffix: SuffixBuildConfig = SuffixBuildConfig()
 
 
@@ -54,10 +57,23 @@ def build(request: BuildRequest) -> dict:
             raise InputError(f"input not found: {path}")
     tokenizer, name = load_tokenizer(request.model)
     documents = chain.from_iterable(iter_documents(path, fmt) for path, fmt in inputs)
+    if request.chat_template:
+        documents = map(assistant_turn_renderer(tokenizer), documents)
     return build_suffix_store(
         documents, tokenizer, name, tokenizer_fingerprint(tokenizer), request.out_dir, request.suffix,
         sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite,
     )
+
+
+def assistant_turn_renderer(tokenizer):
+    """A function rendering a text as one assistant turn of the tokenizer's chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InputError("--chat-template asked for, but this tokenizer has no chat template")
+
+    def render(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "assistant", "content": text}], tokenize=False)
+
+    return render
 
 
 def info(directory: str) -> dict:
