@@ -76,10 +76,12 @@ def aggregate(runs: list[QuestionRun]) -> dict:
 def summarize(records: dict[str, MethodRecord], baseline: str, model_name: str, max_new_tokens: int) -> dict:
     """The ``summary.json`` structure: overall and per-task metrics of every method, speedups over ``baseline``."""
     base = records[baseline]
+    base_overall = aggregate(base.runs)
+    base_tasks = {task: aggregate([base.runs[i] for i in indices])
+                  for task, indices in _task_indices(base.questions).items()}
     methods = {}
     for label, record in records.items():
         overall = aggregate(record.runs)
-        base_overall = aggregate(base.runs)
         overall["speedup"] = _ratio(overall["tokens_per_s"], base_overall["tokens_per_s"])
         overall["identical_to_ar"] = _identical_fraction(record.runs, base.runs)
         per_task = {}
@@ -88,7 +90,7 @@ def summarize(records: dict[str, MethodRecord], baseline: str, model_name: str, 
             base_runs = [base.runs[i] for i in indices]
             task_metrics = aggregate(runs)
             per_task[task] = {
-                "speedup": _ratio(task_metrics["tokens_per_s"], aggregate(base_runs)["tokens_per_s"]),
+                "speedup": _ratio(task_metrics["tokens_per_s"], base_tasks[task]["tokens_per_s"]),
                 "mat": task_metrics["mat"],
                 "tokens_per_s": task_metrics["tokens_per_s"],
                 "acceptance_rate": task_metrics["acceptance_rate"],
