@@ -135,7 +135,7 @@ def test_datastore_build_errors(capsys, model_dir, store_dir, tmp_path):
     assert code == 2 and "not a hierspec datastore" in err
 
 
-def test_datastore_build_with_chat_template(capsys, tmp_path):
+def test_datastore_build_with_chat_template(capsys, model_dir, tmp_path):
     model = tmp_path / "chat-model"
     make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(model)
     tokenizer = make_tokenizer(64)
@@ -150,13 +150,7 @@ def test_datastore_build_with_chat_template(capsys, tmp_path):
 
     tokens = np.asarray(SuffixStore.open(out).shards[0][0]).tolist()
     assert tokens[:-1] == [60, 1, 2, 3, 61]  # the template's markup around the document, then the separator
-    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir_without_template(tmp_path),
+    code, _, err = _run(capsys, "datastore", "build", "--tokenizer", model_dir,  # its tokenizer has no template
                         "--input", str(corpus), "--out", str(tmp_path / "x"), "--chat-template")
     assert code == 2 and "has no chat template" in err
 
-
-def model_dir_without_template(tmp_path):
-    path = tmp_path / "plain-model"
-    make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(path)
-    make_tokenizer(64).save_pretrained(path)
-    return str(path)
