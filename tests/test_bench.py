@@ -21,7 +21,10 @@ def test_summary_metrics_on_synthetic_runs():
     # ar: 10 tokens in 2 s, 10 tokens in 1 s, 5 tokens in 1 s -> 25 tokens / 4 s
     for q, tokens, wall in zip(questions, ([1] * 10, [2] * 10, [3] * 5), (2.0, 1.0, 1.0)):
         ar.add(q, QuestionRun(tokens, "", wall, [1] * len(tokens)))
-    pld.add(questions[0], QuestionRun([1] * 10, "", 1.0, [4, 4, 2], drafted=12, accepted=7))
+    pld.add(questions[0], QuestionRun([1] * 10, "", 1.0, [4, 4, 2], drafted=12, accepted=7,
+                                      drafted_by_source={"context": 8, "model": 4},
+                                      accepted_by_source={"context": 5, "model": 2},
+                                      won_by_source={"context": 2, "model": 1}))
     pld.add(questions[1], QuestionRun([2] * 9 + [7], "", 0.5, [5, 5], drafted=10, accepted=8))
     pld.add(questions[2], QuestionRun([3] * 5, "", 0.5, [1, 1, 1, 1, 1], drafted=4, accepted=0))
     summary = summarize({"ar": ar, "pld": pld}, "ar", model_name="m", max_new_tokens=10)
@@ -38,6 +41,9 @@ def test_summary_metrics_on_synthetic_runs():
     assert mt["speedup"] == pytest.approx(2.0)
     assert mt["mat"] == pytest.approx(20 / 5)
     assert mt["identical_to_ar"] == pytest.approx(0.5)
+    assert p["per_source"]["context"] == {"drafted": 8, "accepted": 5, "steps_won": 2, "acceptance_rate": 5 / 8,
+                                          "won_share": 2 / 10}
+    assert p["per_source"]["model"]["won_share"] == pytest.approx(1 / 10)
     tr = p["per_task"]["translation"]
     assert tr["speedup"] == pytest.approx((5 / 0.5) / 5.0)
     assert tr["mat"] == pytest.approx(1.0)
@@ -69,14 +75,16 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
             for i, cat in enumerate(["writing", "coding", "translation", "translation"])]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld"), max_new_tokens=16,
+    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld", "hd:l=1"), max_new_tokens=16,
                                     out_dir=str(out)), ModelConfig(spec=str(model_dir)))
-    assert set(summary["methods"]) == {"ar", "hf-ar", "pld"}
-    for name in ("ar", "hf-ar", "pld"):
+    assert set(summary["methods"]) == {"ar", "hf-ar", "pld", "hd:l=1"}
+    assert summary["drafters"]["hd:l=1"]["databases"] == ["context"]
+    assert summary["drafters"]["hd:l=1"]["config"]["l"] == 1
+    for name in ("ar", "hf-ar", "pld", "hd:l=1"):
         m = summary["methods"][name]
         assert set(m["per_task"]) == {"mt_bench", "translation"}
         assert m["identical_to_ar"] == 1.0
-        lines = (out / f"answers-{name}.jsonl").read_text().splitlines()
+        lines = (out / f"answers-{name.replace(':', '_').replace('=', '-')}.jsonl").read_text().splitlines()
         assert len(lines) == 4
         choice = json.loads(lines[0])["choices"][0]
         assert {"turns", "new_tokens", "wall_time", "accept_lengths"} <= set(choice)

@@ -19,6 +19,13 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
+def _model_with_another_tokenizer(tmp_path):
+    other = tmp_path / "other-model"
+    make_model("llama", vocab_size=80, seed=5, max_positions=64).save_pretrained(other)
+    make_tokenizer(80).save_pretrained(other)
+    return other
+
+
 def _run(capsys, *args):
     code = main(list(args))
     captured = capsys.readouterr()
@@ -114,9 +121,7 @@ def test_generate_rest_matches_ar(capsys, model_dir, store_dir):
 def test_rest_without_store_and_with_foreign_store(capsys, model_dir, store_dir, tmp_path):
     code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "rest")
     assert code == 2 and "needs a 'suffix' datastore" in err
-    other = tmp_path / "other-model"
-    make_model("llama", vocab_size=80, seed=5, max_positions=64).save_pretrained(other)
-    make_tokenizer(80).save_pretrained(other)
+    other = _model_with_another_tokenizer(tmp_path)
     code, _, err = _run(capsys, "generate", "w1", "--model", str(other), "--raw", "--method", "rest",
                         "--datastore", store_dir)
     assert code == 2 and "was built with tokenizer" in err and "rebuild" in err
@@ -154,3 +159,50 @@ def test_datastore_build_with_chat_template(capsys, model_dir, tmp_path):
                         "--input", str(corpus), "--out", str(tmp_path / "x"), "--chat-template")
     assert code == 2 and "has no chat template" in err
 
+
+
+@pytest.fixture(scope="module")
+def model_store_dir(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("prompts")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"w{i} w{i + 1} w{i + 2}"]}) + "\n" for i in range(1, 9)))
+    out = folder / "model-store"
+    assert main(["datastore", "build", "--kind", "model", "--model", model_dir, "--prompts", str(prompts),
+                 "--out", str(out), "--max-new-tokens", "8", "--limit", "6", "--l", "1", "--m", "3"]) == 0
+    return str(out)
+
+
+def test_model_store_build_and_info(capsys, model_store_dir):
+    code, out, _ = _run(capsys, "datastore", "info", model_store_dir)
+    info = json.loads(out)
+    assert code == 0 and info["kind"] == "model" and info["num_prompts"] == 6
+    assert info["key_len"] == 1 and info["value_len"] == 3 and info["num_grams"] > 0
+
+
+def test_hd_is_the_default_method_and_matches_ar(capsys, model_dir, store_dir, model_store_dir):
+    code, out, _ = _run(capsys, "generate", "w4 w5 w6 w4 w5", "--model", model_dir, "--raw", "--method", "ar",
+                        "--max-new-tokens", "12", "--json")
+    reference = json.loads(out)["token_ids"]
+    for extra in ([], ["--datastore", store_dir, "--datastore", model_store_dir],
+                  ["--method", "hd:l=1,m=3,n=2,order=smc,min_count=1", "--datastore", model_store_dir,
+                   "--datastore", store_dir]):
+        code, out, _ = _run(capsys, "generate", "w4 w5 w6 w4 w5", "--model", model_dir, "--raw",
+                            "--max-new-tokens", "12", "--json", *extra)
+        result = json.loads(out)
+        assert code == 0 and result["token_ids"] == reference
+        assert set(result["stats"]["drafted_by_source"]) <= {"context", "model", "statistics"}
+
+
+def test_model_store_errors(capsys, model_dir, model_store_dir, tmp_path):
+    code, _, err = _run(capsys, "datastore", "build", "--kind", "model", "--model", model_dir,
+                        "--out", str(tmp_path / "x"))
+    assert code == 2 and "needs --prompts" in err
+    code, _, err = _run(capsys, "datastore", "build", "--kind", "model", "--model", model_dir,
+                        "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "x"))
+    assert code == 2 and "prompt file not found" in err
+    other = _model_with_another_tokenizer(tmp_path)
+    code, _, err = _run(capsys, "generate", "w1", "--model", str(other), "--raw", "--method", "hd",
+                        "--datastore", model_store_dir)
+    assert code == 2 and "was built with tokenizer" in err
+    code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "hd:order=cz")
+    assert code == 2 and "use each of the letters" in err

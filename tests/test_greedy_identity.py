@@ -107,3 +107,37 @@ def test_rest_reproduces_plain_decoding(target, tmp_path):
         assert result.token_ids == reference
         forwards += result.stats.target_forwards
     assert forwards < sum(len(r) for r in references)
+
+
+def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
+    from hierspec.datastore.model_store import ModelStoreConfig, build_model_store
+    from hierspec.datastore.ngram import NgramTable
+    from hierspec.datastore.suffix import SuffixStore, build_suffix_store
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
+
+    config = GenerationConfig(max_new_tokens=40)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    prompts = _prompts(8, seed=31)
+    references = [plain.generate(p, config).token_ids for p in prompts]
+    # D_m: the model's answers to half of the prompts (as the builder makes it); D_s: noise plus other references
+    texts = [" ".join(f"w{t}" for t in p) for p in prompts[::2]]
+    build_model_store(target, texts, tmp_path / "model",
+                      ModelStoreConfig(key_len=2, value_len=4, max_new_tokens=40, method="ar"))
+    rng = np.random.default_rng(1)
+    corpus = [" ".join(f"w{t}" for t in ref) for ref in references[1::4]]
+    corpus += [" ".join(f"w{t}" for t in rng.integers(1, VOCAB, size=30)) for _ in range(20)]
+    build_suffix_store(corpus, target.tokenizer, "tiny", target.tokenizer_fingerprint, tmp_path / "suffix")
+    model = ModelDatabase(NgramTable.open(tmp_path / "model", target.tokenizer_fingerprint), min_count=1)
+    statistics = StatisticsDatabase(SuffixStore.open(tmp_path / "suffix"), value_len=5, n_min=2)
+    forwards_by_order = {}
+    for order in ("cms", "smc", "c", "m"):
+        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cms"), model, statistics)
+        decoder = SpeculativeDecoder(target, drafter)
+        forwards = 0
+        for prompt, reference in zip(prompts, references):
+            result = decoder.generate(prompt, config)
+            assert result.token_ids == reference
+            forwards += result.stats.target_forwards
+        forwards_by_order[order] = forwards
+    assert forwards_by_order["cms"] < sum(len(r) for r in references)
+    assert forwards_by_order["m"] < sum(len(r) for r in references)

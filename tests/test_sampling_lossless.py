@@ -98,3 +98,26 @@ def test_chi_square_detects_a_biased_sampler(target):
     rng = np.random.default_rng(0)
     counts = rng.multinomial(RUNS, biased.ravel()).reshape(biased.shape).astype(float)
     assert chi_square_pvalue(counts, exact_joint(table), RUNS) < 1e-3
+
+
+class _FixedDatabase:
+    """A model-store stand-in proposing fixed sequences (likely and unlikely ones alike)."""
+
+    def retrieve(self, context, limit):
+        return [[1, 2, 3], [5, 5], [0, 7, 1]][:limit]
+
+
+def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+
+    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
+    joint = exact_joint(exact_table(target, sampling))
+    counts, forwards_per_run = sample_counts(
+        target,
+        lambda: HierarchyDrafter(HierarchyConfig(l=1, m=3, n=4, order="cm", recycle_topk=2, lead="cm"), _FixedDatabase()),
+        sampling,
+    )
+    assert counts[joint == 0].sum() == 0
+    assert forwards_per_run < 3.0
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
+    assert pvalue > 1e-3, f"hd: p = {pvalue:.2e}"

@@ -103,3 +103,26 @@ def test_rest_is_identical_to_plain_decoding(model, tmp_path):
         assert result.token_ids == reference.token_ids, prompt
         accepted += result.stats.accepted_drafts
     assert accepted > 0
+
+
+def test_hierarchy_drafting_is_identical_to_plain_decoding(model, tmp_path):
+    from hierspec.datastore.model_store import ModelStoreConfig, build_model_store
+    from hierspec.datastore.ngram import NgramTable
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase
+
+    build_model_store(model, ["List three facts about the Sun.", "Write a Python function that adds two numbers.",
+                              "Translate to French: I like apples."], tmp_path / "model",
+                      ModelStoreConfig(key_len=1, value_len=4, max_new_tokens=48))
+    table = NgramTable.open(tmp_path / "model", fingerprint=model.tokenizer_fingerprint)
+    config = GenerationConfig(max_new_tokens=64)
+    plain = SpeculativeDecoder(model, NoDrafter())
+    hd = SpeculativeDecoder(model, HierarchyDrafter(HierarchyConfig(recycle_topk=2), ModelDatabase(table, 1)))
+    total_forwards = total_tokens = 0
+    for prompt in PROMPTS:
+        ids = model.encode_prompt(prompt)
+        result = hd.generate(ids, config)
+        assert result.token_ids == plain.generate(ids, config).token_ids, prompt
+        total_forwards += result.stats.target_forwards
+        total_tokens += len(result.token_ids)
+        assert set(result.stats.drafted_by_source) <= {"context", "model"}
+    assert total_forwards < total_tokens

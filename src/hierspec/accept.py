@@ -34,12 +34,15 @@ class Verdict:
         bonus: the target's own token after the last accepted node.
         target_argmax: the target's top-1 prediction after every node of the tree, shape ``[n]`` — tokens the
             verifier produced anyway, which drafters may recycle.
+        target_topk: the target's top-k predictions after every node, ``[n, k]`` best first, when the drafter asked
+            for ``k > 1`` (:attr:`hierspec.drafters.Drafter.verifier_topk`); else ``None``.
     """
 
     tree: DraftTree
     path: tuple[int, ...]
     bonus: int
     target_argmax: np.ndarray
+    target_topk: np.ndarray | None = None
 
     @property
     def accepted_tokens(self) -> list[int]:
@@ -79,28 +82,42 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Verdict:
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, topk: int = 1) -> Verdict:
     """Greedy acceptance: descend while the target's argmax equals a child's token.
 
-    ``logits`` has shape ``[n, vocab]``, row ``i`` being the target's prediction after node ``i``.
+    ``logits`` has shape ``[n, vocab]``, row ``i`` being the target's prediction after node ``i``. ``topk > 1``
+    also records the target's top-k predictions per node in the verdict.
     """
-    argmax = logits.argmax(dim=-1).cpu().numpy()
-    return _walk(tree, lambda node: int(argmax[node]), argmax)
+    argmax, top = _predictions(logits, topk)
+    return _walk(tree, lambda node: int(argmax[node]), argmax, top)
 
 
 def accept_sampled(
-    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator
+    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, topk: int = 1
 ) -> Verdict:
     """Lossless acceptance of deterministic drafts under sampling.
 
     At each node on the walk, draw ``x`` from the target's warped distribution; if a child carries ``x`` the walk
     moves there (the draft saved a forward pass), else ``x`` is the bonus token. Only rows on the walk are warped.
     """
+    argmax, top = _predictions(logits, topk)
+    return _walk(tree, lambda node: sample_token(warp_probs(logits[node].cpu(), sampling), generator), argmax, top)
+
+
+def _predictions(logits: torch.Tensor, topk: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The target's argmax per row and, for ``topk > 1``, its top-k token ids per row.
+
+    The argmax is always taken with ``argmax`` (not from ``topk``, whose tie-breaking may differ) so that greedy
+    acceptance matches plain greedy decoding exactly.
+    """
     argmax = logits.argmax(dim=-1).cpu().numpy()
-    return _walk(tree, lambda node: sample_token(warp_probs(logits[node].cpu(), sampling), generator), argmax)
+    if topk <= 1:
+        return argmax, None
+    return argmax, logits.topk(min(topk, logits.shape[-1]), dim=-1).indices.cpu().numpy()
 
 
-def _walk(tree: DraftTree, target_token: Callable[[int], int], argmax: np.ndarray) -> Verdict:
+def _walk(tree: DraftTree, target_token: Callable[[int], int], argmax: np.ndarray,
+          topk: np.ndarray | None = None) -> Verdict:
     """Descend from the root while the target's token after the current node is one of its children."""
     path: list[int] = []
     node = 0
@@ -108,7 +125,7 @@ def _walk(tree: DraftTree, target_token: Callable[[int], int], argmax: np.ndarra
         token = target_token(node)
         child = tree.children(node).get(token)
         if child is None:
-            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax)
+            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax, target_topk=topk)
         path.append(child)
         node = child
 

@@ -36,7 +36,7 @@ def make_config(
 def generate(
     model: TargetModel,
     prompt: str,
-    method: str | Drafter = "pld",
+    method: str | Drafter = "hd",
     raw: bool = False,
     datastores: tuple[str, ...] | list[str] = (),
     **options,
@@ -58,7 +58,7 @@ def generate(
 def stream(
     model: TargetModel,
     prompt: str,
-    method: str | Drafter = "pld",
+    method: str | Drafter = "hd",
     raw: bool = False,
     datastores: tuple[str, ...] | list[str] = (),
     **options,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     _add_model_options(gen)
-    gen.add_argument("--method", default="pld", help="ar, pld, rest (options: pld:max_ngram=4,draft_len=8)")
+    gen.add_argument("--method", default="hd", help="hd, pld, rest, ar (options: hd:l=2,m=6,n=4,order=cms)")
     gen.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     _add_sampling_options(gen)
@@ -62,24 +63,36 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser("datastore", help="build or inspect draft datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="build a datastore from a corpus")
-    build.add_argument("--kind", default="suffix", help="store kind: suffix")
+    build.add_argument("--kind", default="suffix", help="store kind: suffix (a corpus) or model (the model's answers)")
     build.add_argument("--input", action="append", default=[], help="text file, .jsonl, ShareGPT .json or directory")
     build.add_argument("--format", default="auto", help="auto, text, jsonl, sharegpt or code (applies to --input)")
-    build.add_argument("--preset", action="append", default=[], help="sharegpt or python-stdlib (repeatable)")
-    build.add_argument("--out", required=True, help="directory to create")
+    build.add_argument("--preset", action="append", default=[],
+                       help="sharegpt or python-stdlib (repeatable); 'default' builds both stores HD uses by default")
+    build.add_argument("--out", default=None, help="directory to create (--preset default: the default location)")
     build.add_argument("--overwrite", action="store_true", help="replace an existing directory")
     build.add_argument("--chat-template", action="store_true",
                        help="index each document as an assistant turn rendered with the chat template")
     build.add_argument("--tokenizer", default=None, help="model whose tokenizer to use (same as --model)")
     build.add_argument("--batch-size", type=int, default=1000, help="documents per tokenizer call")
     build.add_argument("--shard-tokens", type=int, default=None, help="most tokens per shard")
+    model_store = build.add_argument_group("model store (--kind model)")
+    model_store.add_argument("--prompts", action="append", default=[],
+                             help="jsonl of user turns (prompt/turns/messages/conversations) or ShareGPT .json")
+    model_store.add_argument("--exclude-questions", action="append", default=[],
+                             help="question file whose questions are kept out of the prompts (repeatable)")
+    model_store.add_argument("--max-new-tokens", type=int, default=None, help="longest answer (default 256)")
+    model_store.add_argument("--limit", type=int, default=None, help="most prompts answered")
+    model_store.add_argument("--l", type=int, default=None, dest="key_len", help="key length (default 1)")
+    model_store.add_argument("--m", type=int, default=None, dest="value_len", help="value length (default 4)")
+    model_store.add_argument("--top-k", type=int, default=None, help="most frequent n-grams kept (default 100000)")
+    model_store.add_argument("--method", default=None, help="decoding method used to answer (default pld)")
     _add_model_options(build)
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
-    demo.add_argument("--method", default="pld")
+    demo.add_argument("--method", default="hd")
     demo.add_argument("--max-new-tokens", type=int, default=96)
     return parser
 
@@ -179,12 +192,34 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     request = store_build.BuildRequest(
         kind=args.kind, out_dir=args.out, inputs=tuple((p, args.format) for p in args.input),
         presets=tuple(args.preset), model=_model_config(args), overwrite=args.overwrite, suffix=suffix,
-        chat_template=args.chat_template,
+        chat_template=args.chat_template, prompts=tuple(args.prompts),
+        exclude_questions=tuple(args.exclude_questions), model_store=_model_store_config(args),
     )
-    header = store_build.build(request)
-    print(f"built {args.out}: {header['num_tokens']} tokens in {header['num_documents']} documents, "
-          f"{len(header['shards'])} shard(s), {header['build_seconds']:.1f} s")
+    result = store_build.build(request)
+    for header in result.values() if "default" in args.preset else [result]:
+        print(_describe_store(header))
     return 0
+
+
+def _model_store_config(args: argparse.Namespace):
+    from hierspec.datastore.build import DEFAULT_MODEL_STORE
+    from hierspec.datastore.model_store import ModelStoreConfig
+
+    given = {k: getattr(args, k) for k in ("max_new_tokens", "limit", "key_len", "value_len", "top_k", "method")
+             if getattr(args, k) is not None}
+    if not given:
+        return None
+    base = DEFAULT_MODEL_STORE if "default" in args.preset else ModelStoreConfig()
+    return dataclasses.replace(base, **given)
+
+
+def _describe_store(header: dict) -> str:
+    if header.get("kind") == "model":
+        return (f"built model store: {header['num_grams']} {header['key_len']}+{header['value_len']}-grams from "
+                f"{header['generated_tokens']} generated tokens ({header['num_prompts']} prompts, "
+                f"{header['generation_seconds'] / 60:.1f} min of generation)")
+    return (f"built suffix store: {header['num_tokens']} tokens in {header['num_documents']} documents, "
+            f"{len(header['shards'])} shard(s), {header['build_seconds']:.1f} s")
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "datastore": cmd_datastore, "demo": cmd_demo}

@@ -27,7 +27,8 @@ class GenerationStats:
     """Counters and timings of one generation.
 
     ``target_forwards`` counts verification forwards (the prompt's prefill is timed separately and not counted);
-    ``accept_lengths`` holds the tokens each forward added (accepted drafts + the bonus token).
+    ``accept_lengths`` holds the tokens each forward added (accepted drafts + the bonus token). A step is *won* by
+    the source of its deepest accepted draft token (``won_by_source``; steps accepting no draft are won by none).
     """
 
     prompt_tokens: int = 0
@@ -38,6 +39,7 @@ class GenerationStats:
     accept_lengths: list[int] = field(default_factory=list)
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    won_by_source: dict[str, int] = field(default_factory=dict)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -67,6 +69,8 @@ class GenerationStats:
         self.accepted_drafts += len(accepted_sources)
         _add_counts(self.drafted_by_source, Counter(verdict.tree.sources[1:]))
         _add_counts(self.accepted_by_source, Counter(accepted_sources))
+        if accepted_sources:
+            _add_counts(self.won_by_source, Counter([accepted_sources[-1]]))
 
     def as_dict(self) -> dict:
         """Plain-dict form with the derived metrics, for JSON."""
@@ -173,9 +177,9 @@ class SpeculativeDecoder:
                 past = len(context) - 1
                 output = target.forward_tree(cache, tree)
                 if config.sampling.greedy:
-                    verdict = accept_greedy(tree, output.logits)
+                    verdict = accept_greedy(tree, output.logits, drafter.verifier_topk)
                 else:
-                    verdict = accept_sampled(tree, output.logits, config.sampling, generator)
+                    verdict = accept_sampled(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
                 target.keep_path(cache, past, tree.size, (0, *verdict.path))
                 target.synchronize()
                 t2 = time.perf_counter()

@@ -22,7 +22,7 @@ DEMO_PROMPTS = (
 )
 
 
-def run_demo(model: TargetModel, method: str = "pld", max_new_tokens: int = 96, out: TextIO | None = None) -> dict:
+def run_demo(model: TargetModel, method: str = "hd", max_new_tokens: int = 96, out: TextIO | None = None) -> dict:
     """Generate each demo prompt with ``ar`` and with ``method``; print a table and return the totals."""
     import sys
 

@@ -1,4 +1,4 @@
-"""Decoding methods by name: ``ar``, ``pld``, ``rest`` … with options written ``name:key=value,key=value``.
+"""Decoding methods by name: ``ar``, ``pld``, ``rest``, ``hd`` … with options written ``name:key=value,key=value``.
 
 Example: ``make_drafter("pld:max_ngram=4,draft_len=8")``.
 """
@@ -6,23 +6,30 @@ Example: ``make_drafter("pld:max_ngram=4,draft_len=8")``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hierspec.datastore.format import read_header
+from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters import Drafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.errors import InputError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DrafterContext:
     """What a method may need besides its options: the target (for tokenizer checks) and datastore directories.
 
-    Each datastore's header names its kind; a method takes the stores of the kinds it uses.
+    Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
+    are optional (``hd``) also look in ``store_root`` (see :func:`~hierspec.datastore.format.default_store_dir`;
+    ``None`` means ``~/.cache/hierspec/datastores``) unless ``find_default_stores`` is off.
     """
 
     target: object | None = None
     datastores: tuple[str, ...] = ()
+    store_root: str | None = None
+    find_default_stores: bool = True
 
     def datastore(self, kind: str, method: str) -> str:
         """The first given datastore of ``kind``, or a clear error naming the option to add."""
@@ -31,6 +38,17 @@ class DrafterContext:
                 return path
         raise InputError(f"method {method!r} needs a {kind!r} datastore: pass --datastore DIR "
                          f"(build one with `hierspec datastore build --kind {kind}`)")
+
+    def optional_datastore(self, kind: str) -> str | None:
+        """A given datastore of ``kind``, else the default location's one for this tokenizer, else ``None``."""
+        for path in self.datastores:
+            if read_header(path).get("kind") == kind:
+                return path
+        fingerprint, _ = self.fingerprint()
+        if not self.find_default_stores or fingerprint is None:
+            return None
+        candidate = default_store_dir(fingerprint, self.store_root) / kind
+        return str(candidate) if (candidate / "header.json").is_file() else None
 
     def fingerprint(self) -> tuple[str | None, str]:
         if self.target is None:
@@ -99,10 +117,32 @@ def _make_rest(spec: MethodSpec, context: DrafterContext) -> Drafter:
     return RestDrafter(store, config)
 
 
+def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
+    from hierspec.datastore.ngram import NgramTable
+    from hierspec.datastore.suffix import SuffixStore
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
+
+    config = _config_from_options(HierarchyConfig, spec.options, spec.name)
+    fingerprint, name = context.fingerprint()
+    model_dir = context.optional_datastore("model") if "m" in config.order else None
+    suffix_dir = context.optional_datastore("suffix") if "s" in config.order else None
+    model = statistics = None
+    if model_dir:
+        model = ModelDatabase(NgramTable.open(model_dir, fingerprint, name, top_k=config.top_k), config.min_count,
+                              config.m_min_share)
+    if suffix_dir:
+        statistics = StatisticsDatabase(SuffixStore.open(suffix_dir, fingerprint, name), config.m,
+                                        n_min=config.s_n_min, k=config.s_k, min_share=config.s_min_share)
+    drafter = HierarchyDrafter(config, model, statistics)
+    log.info("hd reads %s", " > ".join(drafter.sources))
+    return drafter
+
+
 METHODS: dict[str, Callable[[MethodSpec, DrafterContext], Drafter]] = {
     "ar": _make_ar,
     "pld": _make_pld,
     "rest": _make_rest,
+    "hd": _make_hd,
 }
 
 

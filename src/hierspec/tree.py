@@ -82,6 +82,11 @@ class DraftTree:
         return [int(self.tokens[i]) for i in self.path_to(node)]
 
 
+def is_prefix(candidate: np.ndarray, kept: np.ndarray) -> bool:
+    """True when the draft sequence ``candidate`` equals the start of ``kept`` (it would add no tree node)."""
+    return candidate.shape[0] <= kept.shape[0] and bool(np.array_equal(candidate, kept[: candidate.shape[0]]))
+
+
 def root_only(root_token: int) -> DraftTree:
     """The empty draft: a tree holding only the root. Verifying it is one step of plain decoding."""
     return DraftTree(

@@ -24,6 +24,7 @@ class QuestionRun:
     verify_time: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafted_by_source: dict[str, int] = field(default_factory=dict)
+    won_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -51,12 +52,6 @@ def aggregate(runs: list[QuestionRun]) -> dict:
     forwards = sum(len(r.accept_lengths) for r in runs)
     drafted = sum(r.drafted for r in runs)
     accepted = sum(r.accepted for r in runs)
-    by_source: dict[str, dict[str, int]] = defaultdict(lambda: {"drafted": 0, "accepted": 0})
-    for run in runs:
-        for source, count in run.drafted_by_source.items():
-            by_source[source]["drafted"] += count
-        for source, count in run.accepted_by_source.items():
-            by_source[source]["accepted"] += count
     return {
         "questions": len(runs),
         "new_tokens": tokens,
@@ -69,8 +64,25 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
         "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
-        "per_source": dict(by_source),
+        "per_source": per_source(runs, forwards),
     }
+
+
+def per_source(runs: list[QuestionRun], forwards: int) -> dict[str, dict]:
+    """Per draft source: tokens drafted and accepted, acceptance rate, and steps won (deepest accepted token's
+    source) with their share of all target forwards."""
+    by_source: dict[str, dict] = defaultdict(lambda: {"drafted": 0, "accepted": 0, "steps_won": 0})
+    for run in runs:
+        for source, count in run.drafted_by_source.items():
+            by_source[source]["drafted"] += count
+        for source, count in run.accepted_by_source.items():
+            by_source[source]["accepted"] += count
+        for source, count in run.won_by_source.items():
+            by_source[source]["steps_won"] += count
+    for counts in by_source.values():
+        counts["acceptance_rate"] = counts["accepted"] / counts["drafted"] if counts["drafted"] else 0.0
+        counts["won_share"] = counts["steps_won"] / forwards if forwards else 0.0
+    return dict(by_source)
 
 
 def summarize(records: dict[str, MethodRecord], baseline: str, model_name: str, max_new_tokens: int) -> dict:

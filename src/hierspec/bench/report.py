@@ -61,6 +61,15 @@ def write_report(path: Path, summary: dict) -> None:
         for label, m in methods.items():
             cells = [f"{m['per_task'][t][metric]:.2f}" if t in m["per_task"] else "" for t in tasks]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    sourced = [(label, m["per_source"]) for label, m in methods.items() if len(m.get("per_source", {})) > 1]
+    if sourced:
+        lines += ["", "## Draft sources", "", "Steps won: steps whose deepest accepted draft token came from the source.",
+                  "", "| method | source | drafted | accepted | acceptance | steps won (share of forwards) |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for label, sources in sourced:
+            for source, c in sources.items():
+                lines.append(f"| {label} | {source} | {c['drafted']} | {c['accepted']} | "
+                             f"{100 * c['acceptance_rate']:.1f}% | {c['steps_won']} ({100 * c['won_share']:.1f}%) |")
     divergences = summary.get("divergences", [])
     lines += ["", "## Outputs that differ from ar", ""]
     if not divergences:

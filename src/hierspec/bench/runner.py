@@ -64,6 +64,9 @@ class HierspecRunner:
         self.decoder = SpeculativeDecoder(model, make_drafter(spec, context))
         self.config = config
 
+    def describe(self) -> dict:
+        return self.decoder.drafter.describe()
+
     def run(self, prompt_ids: list[int]) -> QuestionRun:
         result = self.decoder.generate(prompt_ids, self.config)
         s = result.stats
@@ -71,6 +74,7 @@ class HierspecRunner:
             token_ids=result.token_ids, text=result.text, wall_time=s.total_time, accept_lengths=s.accept_lengths,
             drafted=s.drafted_tokens, accepted=s.accepted_drafts, draft_time=s.draft_time, verify_time=s.verify_time,
             accepted_by_source=s.accepted_by_source, drafted_by_source=s.drafted_by_source,
+            won_by_source=s.won_by_source,
         )
 
 
@@ -160,6 +164,7 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     summary["questions_file"] = str(config.questions)
     summary["num_questions"] = len(questions)
     summary["divergences"] = divergences
+    summary["drafters"] = {r.label: r.describe() for r in runners if hasattr(r, "describe")}
     write_answers(out_dir, records, model.name)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_report(out_dir / "report.md", summary)

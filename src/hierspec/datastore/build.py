@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
 from hierspec.config import ModelConfig
 from hierspec.datastore.corpus import iter_documents, preset_inputs
-from hierspec.datastore.format import read_header
+from hierspec.datastore.format import default_store_dir, read_header
+from hierspec.datastore.model_store import ModelStoreConfig, build_model_store, iter_prompts, select_prompts
+from hierspec.datastore.ngram import KIND as MODEL_KIND
+from hierspec.datastore.ngram import NgramTable
 from hierspec.datastore.suffix import KIND as SUFFIX_KIND
 from hierspec.datastore.suffix import SuffixBuildConfig, SuffixStore, build_suffix_store
 from hierspec.errors import InputError
 from hierspec.loading import load_tokenizer, tokenizer_fingerprint
+from hierspec.tree import root_only
 
-KINDS = (SUFFIX_KIND,)
+log = logging.getLogger(__name__)
+
+KINDS = (SUFFIX_KIND, MODEL_KIND)
+#: what ``--preset default`` builds: the model store answers this many ShareGPT prompts (first user turns)
+DEFAULT_MODEL_STORE = ModelStoreConfig(max_new_tokens=128, limit=200)
 
 
 @dataclass(frozen=True)
@@ -22,8 +32,9 @@ class BuildRequest:
     """One datastore build.
 
     Attributes:
-        kind: store kind (``suffix``).
-        out_dir: the directory to create.
+        kind: store kind (``suffix`` or ``model``).
+        out_dir: the directory to create (for ``--preset default``: the root holding ``suffix/`` and ``model/``;
+            ``None`` = :func:`~hierspec.datastore.format.default_store_dir`).
         inputs: ``(path, format)`` pairs; formats as in :mod:`hierspec.datastore.corpus`.
         presets: named corpora (``sharegpt``, ``python-stdlib``) added to the inputs.
         model: the model (or tokenizer) whose tokenizer the store uses.
@@ -31,22 +42,40 @@ class BuildRequest:
         chat_template: index each document rendered as an assistant turn of the tokenizer's chat template
             (so the store also holds the template's markup the model generates around answers).
         suffix: suffix-store builder settings.
+        prompts: prompt files (jsonl of user turns, or a ShareGPT ``.json``) for a ``model`` store.
+        exclude_questions: question files whose questions are kept out of the prompts (evaluation data).
+        model_store: model-store builder settings (``None``: :class:`ModelStoreConfig` defaults, or
+            :data:`DEFAULT_MODEL_STORE` for ``--preset default``).
     """
 
     kind: str
-    out_dir: str
+    out_dir: str | None
     inputs: tuple[tuple[str, str], ...] = ()
     presets: tuple[str, ...] = ()
     model: ModelConfig = ModelConfig()
     overwrite: bool = False
     chat_template: bool = False
     suffix: SuffixBuildConfig = SuffixBuildConfig()
+    prompts: tuple[str, ...] = ()
+    exclude_questions: tuple[str, ...] = ()
+    model_store: ModelStoreConfig | None = None
 
 
 def build(request: BuildRequest) -> dict:
-    """Build the requested store and return its header."""
+    """Build the requested store and return its header (``preset default``: a dict of both headers)."""
+    if "default" in request.presets:
+        return build_default(request)
     if request.kind not in KINDS:
         raise InputError(f"unknown datastore kind {request.kind!r}; kinds: {', '.join(KINDS)}")
+    if request.out_dir is None:
+        raise InputError("pass --out DIR (only --preset default has a default location)")
+    if request.kind == MODEL_KIND:
+        return build_model(request)
+    return build_suffix(request)
+
+
+def build_suffix(request: BuildRequest) -> dict:
+    """A suffix-array store from the request's inputs and corpus presets."""
     inputs = [(Path(p), f) for p, f in request.inputs]
     for preset in request.presets:
         inputs += preset_inputs(preset)
@@ -65,6 +94,71 @@ def build(request: BuildRequest) -> dict:
     )
 
 
+def build_model(request: BuildRequest) -> dict:
+    """A model store: the target answers the request's prompts (resumably), then its n-grams are counted."""
+    from hierspec.target import load_model
+
+    if not request.prompts:
+        raise InputError("a model store needs --prompts FILE (jsonl of user turns)")
+    for path in request.prompts:
+        if not Path(path).is_file():
+            raise InputError(f"prompt file not found: {path}")
+    prompts = select_prompts(chain.from_iterable(iter_prompts(p) for p in request.prompts), _excluded(request))
+    target = load_model(config=request.model)
+    config = request.model_store or ModelStoreConfig()
+    return build_model_store(target, prompts, request.out_dir, config, overwrite=request.overwrite,
+                             prompt_source=", ".join(request.prompts))
+
+
+def build_default(request: BuildRequest) -> dict:
+    """``--preset default``: a ShareGPT suffix store and a model store of ShareGPT prompts, for one model."""
+    from hierspec.target import load_model
+
+    target = load_model(config=request.model)
+    root = Path(request.out_dir) if request.out_dir else default_store_dir(target.tokenizer_fingerprint)
+    (sharegpt, _), = preset_inputs("sharegpt")
+    config = request.model_store or DEFAULT_MODEL_STORE
+    print(f"building the default stores for {target.name} in {root}:\n"
+          f"  1. suffix store of ShareGPT answers (about 20 M tokens; ~1 minute)\n"
+          f"  2. model store: the model answers {config.limit} ShareGPT prompts, up to {config.max_new_tokens} "
+          f"tokens each; estimated {estimate_minutes(target, config):.0f} minutes on this machine", flush=True)
+    headers = {}
+    suffix_dir = root / SUFFIX_KIND
+    if (suffix_dir / "header.json").is_file() and not request.overwrite:
+        print(f"  {suffix_dir} exists; kept (pass --overwrite to rebuild)", flush=True)
+        headers[SUFFIX_KIND] = read_header(suffix_dir)
+    else:
+        headers[SUFFIX_KIND] = build_suffix_store(
+            map(assistant_turn_renderer(target.tokenizer), iter_documents(sharegpt, "sharegpt")), target.tokenizer,
+            target.name, target.tokenizer_fingerprint, suffix_dir, request.suffix, sources=[f"sharegpt:{sharegpt}"],
+            overwrite=request.overwrite,
+        )
+    prompts = select_prompts(iter_prompts(sharegpt), _excluded(request), english_only=True)
+    headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
+                                            overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")
+    return headers
+
+
+def estimate_minutes(target, config: ModelStoreConfig, steps: int = 8) -> float:
+    """Rough time to generate a model store from timed one-token steps, assuming answers use 80% of
+    ``max_new_tokens`` and speculative decoding saves 15% (tqdm's ETA refines it while generating)."""
+    cache = target.new_cache()
+    ids = target.encode_prompt("Hello")
+    target.prefill(cache, ids[:-1])
+    start = time.perf_counter()
+    for _ in range(steps):
+        target.forward_tree(cache, root_only(ids[-1]))  # the cache grows by one token per step, as in decoding
+    target.synchronize()
+    per_token = (time.perf_counter() - start) / steps
+    return (config.limit or 1) * 0.8 * config.max_new_tokens * per_token * 0.85 / 60
+
+
+def _excluded(request: BuildRequest) -> list[str]:
+    from hierspec.bench.questions import load_questions
+
+    return [turn for path in request.exclude_questions for q in load_questions(path) for turn in q.turns]
+
+
 def assistant_turn_renderer(tokenizer):
     """A function rendering a text as one assistant turn of the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
@@ -81,4 +175,6 @@ def info(directory: str) -> dict:
     header = read_header(directory)
     if header.get("kind") == SUFFIX_KIND:
         return SuffixStore.open(directory).info()
+    if header.get("kind") == MODEL_KIND:
+        return NgramTable.open(directory).info()
     return header

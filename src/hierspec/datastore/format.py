@@ -31,6 +31,16 @@ class DatastoreError(HierspecError):
     """A datastore is missing, corrupt, of a newer format, or built for another tokenizer or model."""
 
 
+def default_store_dir(fingerprint: str, base: str | Path | None = None) -> Path:
+    """Where ``hierspec datastore build --preset default`` puts the stores of a tokenizer, and where methods look
+    for them when none is given: ``<base>/<fingerprint[:16]>/{suffix,model}`` with base
+    ``~/.cache/hierspec/datastores`` by default."""
+    from hierspec.loading import user_cache_dir
+
+    root = Path(base) if base is not None else user_cache_dir() / "datastores"
+    return root / fingerprint[:16]
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every token id and the separator (the dtype's largest value) fit, else uint32."""
     return np.dtype(np.uint16) if vocab_size < np.iinfo(np.uint16).max else np.dtype(np.uint32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -19,6 +20,8 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: how many of the target's top predictions per tree node the drafter wants in each verdict (1 = argmax only)
+    verifier_topk: int = 1
 
     def begin(self, prompt: np.ndarray) -> None:
         """Reset per-generation state; ``prompt`` holds the prompt's token ids."""
@@ -29,6 +32,11 @@ class Drafter(ABC):
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
+
+    def describe(self) -> dict:
+        """Settings and data sources, recorded with benchmark results."""
+        config = getattr(self, "config", None)
+        return {"name": self.name, **({"config": dataclasses.asdict(config)} if dataclasses.is_dataclass(config) else {})}
 
 
 class NoDrafter(Drafter):

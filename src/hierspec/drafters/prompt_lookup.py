@@ -8,7 +8,7 @@ import numpy as np
 
 from hierspec.drafters.base import Drafter
 from hierspec.errors import InputError
-from hierspec.tree import DraftTree, build_tree
+from hierspec.tree import DraftTree, build_tree, is_prefix
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def find_continuations(context: np.ndarray, config: PromptLookupConfig) -> list[
         starts = _ngram_occurrences(context, n)
         for start in starts[::-1]:
             cont = context[start + n : start + n + config.draft_len]
-            if not any(_is_prefix(cont, kept) for kept in found):
+            if not any(is_prefix(cont, kept) for kept in found):
                 found.append(cont)
                 if len(found) == config.max_matches:
                     return found
@@ -73,9 +73,6 @@ def _ngram_occurrences(context: np.ndarray, n: int) -> np.ndarray:
         hit &= context[j : candidates + j] == suffix[j]
     return np.flatnonzero(hit)
 
-
-def _is_prefix(candidate: np.ndarray, kept: np.ndarray) -> bool:
-    return candidate.shape[0] <= kept.shape[0] and bool(np.array_equal(candidate, kept[: candidate.shape[0]]))
 
 
 class PromptLookupDrafter(Drafter):

@@ -1,0 +1,251 @@
+"""Hierarchy Drafting (Cho et al., 2025): three draft databases read in order of temporal locality.
+
+* ``c`` — context-dependent (:class:`~hierspec.drafters.context_db.ContextDB`): n-grams of this generation's prompt,
+  committed tokens and the target's predictions at every verified tree node (tokens it computed anyway).
+* ``m`` — model-dependent (:class:`~hierspec.datastore.ngram.NgramTable`): the most frequent n-grams of the
+  target's own past generations.
+* ``s`` — statistics-dependent (:class:`~hierspec.datastore.suffix.SuffixStore`): continuations of the context's
+  longest suffix found in a large corpus.
+
+Each step reads the databases in ``order`` until ``n`` draft sequences are collected and merges them into one tree,
+each node tagged with the database that proposed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from hierspec.accept import Verdict
+from hierspec.datastore.ngram import NgramTable
+from hierspec.datastore.suffix import SuffixStore
+from hierspec.drafters.base import Drafter
+from hierspec.drafters.context_db import ContextDB
+from hierspec.errors import InputError
+from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
+
+SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics"}
+
+
+@dataclass(frozen=True)
+class HierarchyConfig:
+    """Hierarchy Drafting settings (defaults chosen on the dev questions, see BENCHMARKS.md).
+
+    Attributes:
+        l: key length of the context database (the model store's key length is fixed when it is built).
+        m: tokens per draft sequence (value length).
+        n: draft sequences per step (``N``), also the context database's values per key.
+        order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics).
+        top_k: most frequent grams of the model store used (the table holds at most what it was built with).
+        recycle_topk: target predictions recycled per verified node: 1 = top-1, k > 1 adds the next k - 1 as
+            one-token values.
+        min_count: model-store grams seen in fewer generations than this are not drafted.
+        m_min_share: a model-store value must hold at least this share of its key's count.
+        s_n_min: shortest context suffix looked up in the statistics store.
+        s_min_share: a statistics-store continuation must start at least this share of the retrieved ones.
+        s_k: occurrences read from the statistics store per lookup.
+        lead: databases whose drafts may make up a step's tree on their own; the others only add sequences to a
+            step that a leading database already drafts for. ``"cms"`` is the paper's access (every database may
+            draft). On a CPU any draft makes a verification ~1.5x as dear as a plain step while a few more draft
+            tokens cost almost nothing, so weakly predictive databases pay only as additions.
+    """
+
+    l: int = 2  # noqa: E741 — the paper's name
+    m: int = 6
+    n: int = 2
+    order: str = "cms"
+    top_k: int = 100_000
+    recycle_topk: int = 1
+    min_count: int = 2
+    m_min_share: float = 0.2
+    s_n_min: int = 3
+    s_min_share: float = 0.2
+    s_k: int = 500
+    lead: str = "c"
+
+    def __post_init__(self) -> None:
+        if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
+            raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
+        if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
+            raise InputError(f"hd order {self.order!r}: use each of the letters c, m, s at most once, e.g. 'cms'")
+        if not self.lead or set(self.lead) - set(SOURCE_NAMES):
+            raise InputError(f"hd lead {self.lead!r}: use letters among c, m, s")
+        if not (0.0 <= self.s_min_share <= 1.0 and 0.0 <= self.m_min_share <= 1.0):
+            raise InputError("hd needs 0 <= s_min_share <= 1 and 0 <= m_min_share <= 1")
+
+
+def frequent_rows(rows: np.ndarray, limit: int, min_count: int) -> list[np.ndarray]:
+    """The ``limit`` most frequent distinct rows (``-1`` padding trimmed) seen at least ``min_count`` times.
+
+    Ties keep lexicographic order. Example: rows ``[[1, 2], [3, -1], [1, 2]]`` → ``[[1, 2], [3]]``.
+    """
+    if rows.shape[0] == 0 or limit <= 0:
+        return []
+    unique, counts = np.unique(rows, axis=0, return_counts=True)
+    order = np.lexsort((np.arange(unique.shape[0]), -counts))
+    out = []
+    for i in order:
+        if counts[i] < min_count or len(out) == limit:
+            break
+        row = unique[i]
+        row = row[: int(np.argmax(row < 0))] if (row < 0).any() else row
+        if row.shape[0]:
+            out.append(row)
+    return out
+
+
+class DraftDatabase(Protocol):
+    """What hierarchical access needs from a database: draft sequences for the current context."""
+
+    def retrieve(self, context: np.ndarray, limit: int) -> Sequence[Sequence[int]]:
+        """Up to ``limit`` draft sequences continuing ``context``, best first."""
+
+
+@dataclass(frozen=True)
+class ModelDatabase:
+    """``D_m``: an n-gram table of the model's own generations, read by its key (the context's last tokens)."""
+
+    table: NgramTable
+    min_count: int = 1
+    min_share: float = 0.0
+
+    @property
+    def directory(self):
+        return self.table.directory
+
+    def retrieve(self, context: np.ndarray, limit: int) -> list[np.ndarray]:
+        return self.table.lookup(context, limit, self.min_count, self.min_share)
+
+
+@dataclass(frozen=True)
+class StatisticsDatabase:
+    """``D_s``: the most frequent continuations of the context's longest suffix in a suffix-array corpus store."""
+
+    store: SuffixStore
+    value_len: int
+    n_min: int = 3
+    n_max: int = 16
+    k: int = 500
+    min_share: float = 0.0
+
+    @property
+    def directory(self):
+        return self.store.directory
+
+    def retrieve(self, context: np.ndarray, limit: int) -> list[np.ndarray]:
+        match = self.store.longest_match(context, max(self.n_max, self.n_min), self.n_min)
+        if match is None:
+            return []
+        rows = self.store.continuations(match, self.k, self.value_len)
+        return frequent_rows(rows, limit, max(1, int(np.ceil(self.min_share * rows.shape[0]))))
+
+
+class HierarchyDrafter(Drafter):
+    """Drafts from the context, model and statistics databases, read in order until ``n`` sequences are found.
+
+    ``model`` and ``statistics`` are optional: a letter of ``config.order`` whose database is missing is skipped, so
+    HD works with the context database alone.
+    """
+
+    name = "hd"
+
+    def __init__(self, config: HierarchyConfig | None = None, model: DraftDatabase | None = None,
+                 statistics: DraftDatabase | None = None) -> None:
+        self.config = config or HierarchyConfig()
+        self.context_db = ContextDB(self.config.l, self.config.m, self.config.n)
+        self.verifier_topk = self.config.recycle_topk
+        available = {"c": self.context_db, "m": model, "s": statistics}
+        self.databases: list[tuple[str, DraftDatabase]] = [
+            (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
+        ]
+        self._leaders = {SOURCE_NAMES[letter] for letter in self.config.lead}
+        self._proposed_length = 0
+
+    @property
+    def sources(self) -> list[str]:
+        """Names of the databases this drafter reads, in access order."""
+        return [name for name, _ in self.databases]
+
+    def describe(self) -> dict:
+        stores = {name: str(db.directory) for name, db in self.databases if hasattr(db, "directory")}
+        return {**super().describe(), "databases": self.sources, "stores": stores}
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.context_db.reset()
+        self.context_db.feed_context(prompt)
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        root = int(context[-1])
+        self._proposed_length = context.shape[0]
+        if budget <= 0:
+            return root_only(root)
+        sequences, sources = self.collect(context)
+        return build_tree(root, sequences, sources, budget=min(budget, self.config.n * self.config.m))
+
+    def collect(self, context: np.ndarray) -> tuple[list[np.ndarray], list[str]]:
+        """Hierarchical access: draft sequences and their source names, at most ``n``, in priority order.
+
+        Databases are read in order and later ones only while fewer than ``n`` sequences are collected. A sequence
+        equal to (or a prefix of) one already collected adds no node to the tree and is skipped. If no database of
+        ``lead`` contributed, the step drafts nothing.
+        """
+        sequences: list[np.ndarray] = []
+        sources: list[str] = []
+        for name, database in self.databases:
+            wanted = self.config.n - len(sequences)
+            if wanted <= 0:
+                break
+            for seq in database.retrieve(context, wanted):
+                seq = np.asarray(seq, dtype=np.int64)[: self.config.m]
+                if seq.shape[0] and not any(is_prefix(seq, kept) for kept in sequences):
+                    sequences.append(seq)
+                    sources.append(name)
+                    if len(sequences) == self.config.n:
+                        break
+        if not self._leaders.intersection(sources):
+            return [], []
+        return sequences, sources
+
+    def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        self.recycle(verdict, context[: self._proposed_length])
+        self.context_db.feed_context(context)
+
+    def recycle(self, verdict: Verdict, before: np.ndarray) -> None:
+        """Add the target's predictions at tree nodes off the accepted path to the context database.
+
+        For node ``i`` the key is the last ``l`` tokens of the context extended by the path to ``i``; the value is
+        the target's top-1 after ``i``, continued while the tree holds that token as a child (its prediction there
+        is known too). With ``recycle_topk = k > 1`` the next ``k - 1`` predictions become one-token values.
+        On-path predictions are skipped: they are the committed tokens, fed from the context.
+        """
+        tree, l, m = verdict.tree, self.config.l, self.config.m
+        on_path = set(verdict.path)
+        on_path.add(0)
+        argmax = verdict.target_argmax
+        topk = verdict.target_topk
+        tail = before[-l:].tolist()
+        tokens = tree.tokens.tolist()
+        parents = tree.parents.tolist()
+        keys: list[tuple[int, ...]] = [tuple(tail)]  # key after each node, in BFS order (parents come first)
+        for i in range(1, tree.size):
+            keys.append((keys[parents[i]] + (tokens[i],))[-l:])
+        for i in range(tree.size):
+            if len(keys[i]) < l:
+                continue
+            if i not in on_path:
+                self.context_db.add(keys[i], self._greedy_chain(tree, argmax, i, m))
+            if topk is not None:
+                for token in topk[i, 1:].tolist():
+                    self.context_db.add(keys[i], (token,))
+
+    @staticmethod
+    def _greedy_chain(tree: DraftTree, argmax: np.ndarray, node: int, m: int) -> tuple[int, ...]:
+        chain = [int(argmax[node])]
+        child = tree.children(node).get(chain[-1])
+        while child is not None and len(chain) < m:
+            chain.append(int(argmax[child]))
+            child = tree.children(child).get(chain[-1])
+        return tuple(chain)

@@ -1,0 +1,151 @@
+"""The model-dependent store: n-gram counting, top-k, the binary table, and the resumable builder."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hierspec.config import GenerationConfig
+from hierspec.datastore.format import DatastoreError
+from hierspec.datastore.model_store import (
+    GENERATIONS_FILE,
+    ModelStoreConfig,
+    build_model_store,
+    first_user_turn,
+    select_prompts,
+)
+from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter
+from tiny import make_target
+
+DOCS = [np.array([1, 2, 3, 1, 2, 3]), np.array([1, 2, 3, 4]), np.array([2, 3, 4])]
+
+
+def test_ngrams_are_counted_once_per_document():
+    grams, counts = count_ngrams(DOCS, 3)
+    table = {tuple(g): int(c) for g, c in zip(grams.tolist(), counts)}
+    assert table == {(1, 2, 3): 2, (2, 3, 1): 1, (3, 1, 2): 1, (2, 3, 4): 2}
+    grams, counts = count_ngrams([np.array([5])], 3)
+    assert grams.shape == (0, 3) and counts.shape == (0,)
+
+
+def test_top_k_keeps_the_most_frequent_and_sorts_by_key_then_count():
+    grams, counts = count_ngrams(DOCS, 3)
+    top, top_counts = top_ngrams(grams, counts, 3, key_len=1)
+    # counts: 123:2, 234:2, then 231 and 312 tie at 1 and the lexicographically first (231) wins the last place;
+    # within key 2 the more frequent value comes first
+    assert top.tolist() == [[1, 2, 3], [2, 3, 4], [2, 3, 1]]
+    assert top_counts.tolist() == [2, 2, 1]
+
+
+def _write(tmp_path, grams, counts, key_len=1, fingerprint="fp"):
+    write_ngram_table(tmp_path, grams, counts, key_len, 16, "tiny", fingerprint)
+    return tmp_path
+
+
+def test_table_round_trip_and_lookup(tmp_path):
+    grams = np.array([[1, 5, 6], [1, 7, 8], [1, 9, 9], [2, 3, 3]])
+    counts = np.array([3, 5, 1, 2])
+    top, top_counts = top_ngrams(grams, counts, 10, key_len=1)
+    table = NgramTable.open(_write(tmp_path, top, top_counts), fingerprint="fp")
+    assert len(table) == 4 and table.key_len == 1 and table.value_len == 2
+    assert [v.tolist() for v in table.lookup(np.array([4, 1]), 5)] == [[7, 8], [5, 6], [9, 9]]
+    assert [v.tolist() for v in table.lookup(np.array([1]), 1)] == [[7, 8]]
+    assert [v.tolist() for v in table.lookup(np.array([1]), 5, min_count=2)] == [[7, 8], [5, 6]]
+    assert table.lookup(np.array([3]), 5) == []
+    # key 1 holds counts 5, 3, 1 (total 9): a share of 0.3 needs a count >= 2.7, 0.4 needs >= 3.6
+    assert [v.tolist() for v in table.lookup(np.array([1]), 5, min_share=0.3)] == [[7, 8], [5, 6]]
+    assert [v.tolist() for v in table.lookup(np.array([1]), 5, min_share=0.4)] == [[7, 8]]
+    smaller = NgramTable.open(tmp_path, top_k=2)  # only the two most frequent grams: counts 5 and 3
+    assert [v.tolist() for v in smaller.lookup(np.array([1]), 5)] == [[7, 8], [5, 6]]
+    assert smaller.lookup(np.array([2]), 5) == []
+
+
+def test_foreign_truncated_and_missing_tables_are_refused(tmp_path):
+    grams, counts = top_ngrams(*count_ngrams(DOCS, 3), 10, key_len=1)
+    _write(tmp_path, grams, counts)
+    with pytest.raises(DatastoreError, match="built with tokenizer"):
+        NgramTable.open(tmp_path, fingerprint="other")
+    data = (tmp_path / "ngrams.tokens").read_bytes()
+    (tmp_path / "ngrams.tokens").write_bytes(data[:-2])
+    with pytest.raises(DatastoreError, match="truncated or corrupt"):
+        NgramTable.open(tmp_path)
+    with pytest.raises(DatastoreError, match="not found"):
+        NgramTable.open(tmp_path / "nowhere")
+
+
+def test_prompt_records_and_selection():
+    assert first_user_turn({"turns": ["a", "b"]}) == "a"
+    assert first_user_turn({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "x"}]}) == "hi"
+    assert first_user_turn({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}) == "u"
+    assert first_user_turn({"other": 1}) is None
+    question = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting experiences."
+    prompts = ["Hello there", "hello   there", question.upper(), "Écrivez un poème sur la mer, s'il vous plaît", "ok"]
+    kept = list(select_prompts(prompts, exclude=[question], english_only=True))
+    assert kept == ["Hello there", "ok"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target("llama", vocab_size=32, seed=2)
+
+
+def _prompts():
+    return [" ".join(f"w{(i * 7 + j) % 31 + 1}" for j in range(3 + i % 4)) for i in range(6)]
+
+
+def test_builder_writes_generations_and_table(target, tmp_path):
+    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar")
+    header = build_model_store(target, _prompts(), tmp_path, config)
+    records = [json.loads(line) for line in (tmp_path / GENERATIONS_FILE).read_text().splitlines()]
+    assert [r["index"] for r in records] == list(range(6))
+    plain = SpeculativeDecoder(target, NoDrafter())
+    for record, prompt in zip(records, _prompts()):
+        ids = target.encode_prompt(prompt)
+        assert record["token_ids"] == plain.generate(ids, GenerationConfig(max_new_tokens=8)).token_ids
+    docs = [np.array(r["context_tail"][-1:] + r["token_ids"]) for r in records]
+    expected = top_ngrams(*count_ngrams(docs, 3), 100_000, key_len=1)
+    table = NgramTable.open(tmp_path, fingerprint=target.tokenizer_fingerprint)
+    assert header["num_grams"] == len(table) == expected[0].shape[0]
+    assert header["num_prompts"] == 6 and header["generated_tokens"] == sum(len(r["token_ids"]) for r in records)
+
+
+def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatch):
+    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar")
+    reference = tmp_path / "reference"
+    build_model_store(target, _prompts(), reference, config)
+
+    calls = {"n": 0}
+    original = SpeculativeDecoder.generate
+
+    def failing_generate(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    out = tmp_path / "resumed"
+    monkeypatch.setattr(SpeculativeDecoder, "generate", failing_generate)
+    with pytest.raises(KeyboardInterrupt):
+        build_model_store(target, _prompts(), out, config)
+    assert len((out / GENERATIONS_FILE).read_text().splitlines()) == 3
+    assert not (out / "header.json").exists()
+    with pytest.raises(DatastoreError, match="unfinished build"):
+        NgramTable.open(out)
+    # a torn last line (killed mid-write) is dropped too
+    with open(out / GENERATIONS_FILE, "a") as handle:
+        handle.write('{"index": 3, "token_')
+    counted = {"n": 0}
+
+    def counting_generate(self, *args, **kwargs):
+        counted["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", counting_generate)
+    build_model_store(target, _prompts(), out, config)
+    assert counted["n"] == 3  # only the prompts not answered before
+    assert (out / "ngrams.tokens").read_bytes() == (reference / "ngrams.tokens").read_bytes()
+    assert (out / "ngrams.counts").read_bytes() == (reference / "ngrams.counts").read_bytes()
+    with pytest.raises(DatastoreError, match="different max_new_tokens"):
+        build_model_store(target, _prompts(), out, ModelStoreConfig(max_new_tokens=9, method="ar"))
