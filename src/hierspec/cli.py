@@ -90,6 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_options(serve)
+    serve.add_argument("--method", default="hd", help="decoding method (as in generate)")
+    serve.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
+    serve.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429")
+    serve.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
+    serve.add_argument("--default-max-tokens", type=int, default=256)
+
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
     demo.add_argument("--method", default="hd")
@@ -176,6 +188,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_model_name(spec: str | None) -> str:
+    """The id a server announces for a model spec: the default model's name, a local path's last part (without
+    ``.gguf``), or the Hugging Face id as given."""
+    from pathlib import Path
+
+    if spec is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(spec)
+    return path.name.removesuffix(".gguf") if path.exists() else spec
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hierspec.methods import DrafterContext, MethodSpec, make_drafter
+    from hierspec.server import ServerConfig, serve
+
+    if args.max_queue < 1 or args.timeout <= 0 or args.default_max_tokens < 1:
+        raise InputError("--max-queue and --default-max-tokens must be >= 1 and --timeout > 0")
+    spec = MethodSpec.parse(args.method)
+    model = _load(args)
+    drafter = make_drafter(spec, DrafterContext(model, tuple(args.datastore)))
+    config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
+                          max_queue=args.max_queue, timeout_s=args.timeout,
+                          default_max_tokens=args.default_max_tokens)
+    serve(model, drafter, config, host=args.host, port=args.port)
+    return 0
+
+
 def cmd_datastore(args: argparse.Namespace) -> int:
     from hierspec.datastore import build as store_build
 
@@ -222,7 +261,8 @@ def _describe_store(header: dict) -> str:
             f"{len(header['shards'])} shard(s), {header['build_seconds']:.1f} s")
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "datastore": cmd_datastore, "demo": cmd_demo}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "datastore": cmd_datastore, "demo": cmd_demo,
+            "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

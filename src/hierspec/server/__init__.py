@@ -1,0 +1,42 @@
+"""OpenAI-compatible HTTP server: ``hierspec serve`` (engine, schemas, app, metrics)."""
+
+from __future__ import annotations
+
+import time
+
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import Drafter
+from hierspec.server.app import ServerConfig, create_app
+from hierspec.server.engine import Engine
+from hierspec.server.metrics import ServerMetrics
+from hierspec.target import TargetModel
+
+__all__ = ["ServerConfig", "build_app", "serve"]
+
+
+def build_app(target: TargetModel, drafter: Drafter, config: ServerConfig):
+    """The FastAPI app and its engine (call ``engine.close()`` when done)."""
+    metrics = ServerMetrics()
+
+    def finished(job, result) -> None:
+        started = job.started if job.started is not None else time.monotonic()
+        metrics.observe_generation(started - job.enqueued, time.monotonic() - started, result, len(job.prompt_ids))
+
+    engine = Engine(SpeculativeDecoder(target, drafter), config.max_queue, config.timeout_s, on_finish=finished)
+    return create_app(target, engine, config, metrics), engine
+
+
+def serve(target: TargetModel, drafter: Drafter, config: ServerConfig, host: str = "127.0.0.1",
+          port: int = 8000) -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    app, engine = build_app(target, drafter, config)
+    described = drafter.describe()
+    extras = ", ".join(f"{k}: {v}" for k, v in described.items() if k not in {"name", "config"})
+    print(f"hierspec: serving {config.model_name!r} with method {described.get('name')}"
+          f"{f' ({extras})' if extras else ''}; API key {'required' if config.api_key else 'off'}", flush=True)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.close()
