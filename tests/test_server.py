@@ -15,6 +15,7 @@ import openai
 import pytest
 import uvicorn
 
+import hierspec
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
@@ -116,6 +117,7 @@ def test_completion_matches_plain_decoding(client, target):
     response = client.completions.create(model=MODEL, prompt="w1 w2 w3 w1 w2", max_tokens=12, temperature=0)
     reference = _reference(target, target.encode_prompt("w1 w2 w3 w1 w2", raw=True), 12)
     assert response.choices[0].text == reference.text
+    assert hierspec.generate(target, "w1 w2 w3 w1 w2", method="pld", raw=True, max_new_tokens=12).text == reference.text
     assert response.choices[0].finish_reason == ("length" if reference.finish_reason == "length" else "stop")
     assert response.usage.completion_tokens == len(reference.token_ids)
     assert response.usage.prompt_tokens == 5 and response.usage.total_tokens == 5 + len(reference.token_ids)
