@@ -73,3 +73,43 @@ class AdversarialDrafter(Drafter):
                 prefix.append(token)
             branches.append(branch)
         return build_tree(int(context[-1]), branches, budget=budget)
+
+
+class TableLM:
+    """A fast stand-in for :class:`hierspec.draft_lm.DraftLM`: logits that depend on the last two tokens, drawn
+    once per pair from a seeded generator. Losslessness must hold for any draft distribution, so statistical tests
+    can use it where a real model's Python overhead would dominate their run time."""
+
+    def __init__(self, vocab: int, seed: int, scale: float = 2.0) -> None:
+        import types
+
+        self.vocab, self.seed, self.scale = vocab, seed, scale
+        self.model = types.SimpleNamespace(name=f"table-{seed}")
+        self._rows: dict = {}
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.forwards = 0
+
+    def _row(self, tokens):
+        import torch
+
+        key = tuple(int(t) for t in tokens[-2:])
+        row = self._rows.get(key)
+        if row is None:
+            generator = torch.Generator().manual_seed(hash((self.seed, key)) % (1 << 31))
+            row = self._rows[key] = torch.randn(self.vocab, generator=generator, dtype=torch.float64) * self.scale
+        return row
+
+    def next_logits(self, context):
+        self.forwards += 1
+        return self._row(list(context))
+
+    def score_tree(self, context, tree):
+        import torch
+
+        self.forwards += 1
+        return torch.stack([self._row(list(context) + tree.sequence(node)) for node in range(tree.size)])
+
+    def keep(self, path) -> None:
+        pass

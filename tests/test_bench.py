@@ -10,6 +10,15 @@ from hierspec.errors import InputError
 from tiny import make_model, make_tokenizer
 
 
+@pytest.fixture
+def model_dir(tmp_path):
+    """A tiny Llama with its word-level tokenizer saved as a model directory."""
+    directory = tmp_path / "model"
+    make_model("llama", vocab_size=64, seed=8, max_positions=256).save_pretrained(directory)
+    make_tokenizer(64).save_pretrained(directory)
+    return directory
+
+
 def _q(qid, category):
     return Question(qid, category, (f"question {qid}",))
 
@@ -47,6 +56,20 @@ def test_summary_metrics_on_synthetic_runs():
     tr = p["per_task"]["translation"]
     assert tr["speedup"] == pytest.approx((5 / 0.5) / 5.0)
     assert tr["mat"] == pytest.approx(1.0)
+    assert p["sigma"] == pytest.approx(1 - 15 / 26)
+    assert p["eta"] == pytest.approx(10 / 25)  # target forwards per output token
+    assert summary["methods"]["ar"]["eta"] == pytest.approx(1.0) and summary["methods"]["ar"]["sigma"] == 0.0
+
+
+def test_draft_model_levels_from_drafter_reports():
+    question = _q(1, "qa")
+    ar, hsddw = MethodRecord("ar"), MethodRecord("hsddw")
+    ar.add(question, QuestionRun([1] * 6, "", 1.0, [1] * 6))
+    hsddw.add(question, QuestionRun([1] * 6, "", 1.0, [3, 3], drafted=6, accepted=4, drafter_report={
+        "windows": [4, 2], "first_drafted": 10, "first_accepted": 4, "middle_tokens": 3}))
+    levels = summarize({"ar": ar, "hsddw": hsddw}, "ar", model_name="m", max_new_tokens=6)["methods"]["hsddw"]["levels"]
+    assert levels == {"mean_window": 3.0, "steps": 2, "middle_tokens": 3,
+                      "first": {"drafted": 10, "accepted": 4, "sigma": pytest.approx(0.6)}}
 
 
 def test_question_loading_and_selection(tmp_path):
@@ -66,18 +89,17 @@ def test_question_loading_and_selection(tmp_path):
         load_questions(tmp_path / "none.jsonl")
 
 
-def test_bench_end_to_end_on_tiny_model(tmp_path):
-    model_dir = tmp_path / "model"
-    make_model("llama", vocab_size=64, seed=8, max_positions=256).save_pretrained(model_dir)
-    make_tokenizer(64).save_pretrained(model_dir)
+def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
     questions = tmp_path / "q.jsonl"
     rows = [{"question_id": i, "category": cat, "turns": [" ".join(f"w{(i * 7 + j) % 60 + 1}" for j in range(12))]}
             for i, cat in enumerate(["writing", "coding", "translation", "translation"])]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld", "hd:l=1"), max_new_tokens=16,
-                                    out_dir=str(out)), ModelConfig(spec=str(model_dir)))
-    assert set(summary["methods"]) == {"ar", "hf-ar", "pld", "hd:l=1"}
+    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld", "hd:l=1", "sd:draft=self:1"),
+                                    max_new_tokens=16, out_dir=str(out)), ModelConfig(spec=str(model_dir)))
+    assert set(summary["methods"]) == {"ar", "hf-ar", "pld", "hd:l=1", "sd:draft=self:1"}
+    assert summary["methods"]["sd:draft=self:1"]["identical_to_ar"] == 1.0
+    assert summary["methods"]["sd:draft=self:1"]["levels"]["mean_window"] > 0
     assert summary["drafters"]["hd:l=1"]["databases"] == ["context"]
     assert summary["drafters"]["hd:l=1"]["config"]["l"] == 1
     for name in ("ar", "hf-ar", "pld", "hd:l=1"):
@@ -93,7 +115,22 @@ def test_bench_end_to_end_on_tiny_model(tmp_path):
     assert saved["methods"]["pld"]["speedup"] == summary["methods"]["pld"]["speedup"]
     assert {"model", "device", "dtype", "max_new_tokens", "date", "torch"} <= set(saved)
     assert "| pld |" in (out / "report.md").read_text()
+    assert "## Draft-model levels" in (out / "report.md").read_text()
     assert summary["divergences"] == []
+
+
+def test_bench_sampling_run_records_its_settings(tmp_path, model_dir):
+    from hierspec.config import SamplingConfig
+
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w1 w2 w3 w1 w2"]}) + "\n")
+    config = BenchConfig(questions=str(questions), methods=("hf-ar", "sd:draft=self:1"), max_new_tokens=8,
+                         out_dir=str(tmp_path / "out"), sampling=SamplingConfig(temperature=1.0, top_p=0.9))
+    summary = run_bench(config, ModelConfig(spec=str(model_dir)))
+    assert summary["sampling"]["temperature"] == 1.0 and summary["sampling"]["seed"] == 0
+    assert summary["divergences"] == []
+    assert "sampling (temperature 1.0, top-p 0.9" in (tmp_path / "out" / "report.md").read_text()
+    assert all(m["new_tokens"] > 0 for m in summary["methods"].values())
 
 
 def test_method_lists_keep_options_together():

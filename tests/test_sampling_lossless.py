@@ -121,3 +121,4 @@ def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
     assert forwards_per_run < 3.0
     pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"hd: p = {pvalue:.2e}"
+

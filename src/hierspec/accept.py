@@ -104,6 +104,39 @@ def accept_sampled(
     return _walk(tree, lambda node: sample_token(warp_probs(logits[node].cpu(), sampling), generator), argmax, top)
 
 
+def accept_speculative(
+    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator, topk: int = 1
+) -> Verdict:
+    """Speculative sampling along a sampled chain (``tree.dists`` holds each token's draft distribution ``q``).
+
+    Each draft token is accepted with probability ``min(1, p/q)`` (:func:`speculative_sample`); the first rejection
+    ends the walk with a token from the residual; when every token passes, the bonus is a plain draw from ``p``.
+    """
+    if tree.dists is None or not tree.is_chain:
+        raise ValueError("accept_speculative needs a chain with draft distributions")
+    argmax, top = _predictions(logits, topk)
+    path: list[int] = []
+    for node in range(1, tree.size):
+        p = warp_probs(logits[node - 1].cpu(), sampling)
+        accepted, token = speculative_sample(p, tree.dists[node], int(tree.tokens[node]), generator)
+        if not accepted:
+            return Verdict(tree=tree, path=tuple(path), bonus=token, target_argmax=argmax, target_topk=top)
+        path.append(node)
+    bonus = sample_token(warp_probs(logits[tree.size - 1].cpu(), sampling), generator)
+    return Verdict(tree=tree, path=tuple(path), bonus=bonus, target_argmax=argmax, target_topk=top)
+
+
+def verify(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator,
+           topk: int = 1) -> Verdict:
+    """The acceptance rule for this tree and sampling setting: greedy, speculative sampling for a sampled chain,
+    or the deterministic-draft rule. Shared by the decoding loop and by HSDDW's middle model."""
+    if sampling.greedy:
+        return accept_greedy(tree, logits, topk)
+    if tree.dists is not None:
+        return accept_speculative(tree, logits, sampling, generator, topk)
+    return accept_sampled(tree, logits, sampling, generator, topk)
+
+
 def _predictions(logits: torch.Tensor, topk: int) -> tuple[np.ndarray, np.ndarray | None]:
     """The target's argmax per row and, for ``topk > 1``, its top-k token ids per row.
 

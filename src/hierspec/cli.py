@@ -28,6 +28,28 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=None)
 
 
+def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("draft models (methods sd and hsddw)")
+    group.add_argument("--draft-model", default=None,
+                       help="self:K (the target's first K layers) or a model with the target's tokenizer")
+    group.add_argument("--middle-model", default=None, help="hsddw's middle model (self:K or a model)")
+    group.add_argument("--self-verify", action="store_true", help="sd: entropy-based dynamic draft window")
+
+
+def _drafter_context(args: argparse.Namespace, model):
+    from hierspec.methods import DrafterContext
+
+    return DrafterContext(model, tuple(args.datastore), draft_model=args.draft_model,
+                          middle_model=args.middle_model, self_verify=args.self_verify,
+                          model_config=_model_config(args))
+
+
+def _sampling_config(args: argparse.Namespace):
+    from hierspec.config import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``hierspec`` command."""
     parser = argparse.ArgumentParser(prog="hierspec", description="Lossless speculative decoding for HF causal LMs.")
@@ -37,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     _add_model_options(gen)
-    gen.add_argument("--method", default="hd", help="hd, pld, rest, ar (options: hd:l=2,m=6,n=4,order=cms)")
+    gen.add_argument("--method", default="hd",
+                     help="hd, pld, rest, sd, hsddw, ar (options: hd:l=2,m=6,n=4,order=cms; sd:draft=self:8,k=4)")
     gen.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     _add_sampling_options(gen)
+    _add_draft_model_options(gen)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--max-draft-tokens", type=int, default=None, help="draft tokens verified per forward")
     gen.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
@@ -59,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     bench.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     _add_model_options(bench)
+    _add_draft_model_options(bench)
+    _add_sampling_options(bench)
 
     store = sub.add_parser("datastore", help="build or inspect draft datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
@@ -92,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_options(serve)
+    _add_draft_model_options(serve)
     serve.add_argument("--method", default="hd", help="decoding method (as in generate)")
     serve.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -134,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise InputError("the prompt is empty")
     model = _load(args)
-    drafter = make_drafter(spec, DrafterContext(model, tuple(args.datastore)))
+    drafter = make_drafter(spec, _drafter_context(args, model))
     decoder = SpeculativeDecoder(model, drafter)
     stream = decoder.stream(model.encode_prompt(args.prompt, raw=args.raw), config)
     if args.stream and not args.json:
@@ -172,6 +199,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         questions=args.questions, methods=tuple(split_methods(args.methods)),
         max_new_tokens=args.max_new_tokens, per_category=args.per_category, limit=args.limit, out_dir=args.out,
         max_draft_tokens=args.max_draft_tokens, warmup=args.warmup, datastores=tuple(args.datastore),
+        sampling=_sampling_config(args), draft_model=args.draft_model, middle_model=args.middle_model,
+        self_verify=args.self_verify,
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")
@@ -207,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError("--max-queue and --default-max-tokens must be >= 1 and --timeout > 0")
     spec = MethodSpec.parse(args.method)
     model = _load(args)
-    drafter = make_drafter(spec, DrafterContext(model, tuple(args.datastore)))
+    drafter = make_drafter(spec, _drafter_context(args, model))
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
                           max_queue=args.max_queue, timeout_s=args.timeout,
                           default_max_tokens=args.default_max_tokens)

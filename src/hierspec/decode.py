@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from hierspec.accept import Verdict, accept_greedy, accept_sampled
+from hierspec.accept import Verdict, verify
 from hierspec.config import GenerationConfig
 from hierspec.drafters.base import Drafter
 from hierspec.target import TargetModel
@@ -29,6 +29,8 @@ class GenerationStats:
     ``target_forwards`` counts verification forwards (the prompt's prefill is timed separately and not counted);
     ``accept_lengths`` holds the tokens each forward added (accepted drafts + the bonus token). A step is *won* by
     the source of its deepest accepted draft token (``won_by_source``; steps accepting no draft are won by none).
+    ``drafter`` holds the drafter's own counters (:meth:`~hierspec.drafters.Drafter.report`), e.g. per-level
+    figures of hierarchical draft models.
     """
 
     prompt_tokens: int = 0
@@ -40,6 +42,7 @@ class GenerationStats:
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     won_by_source: dict[str, int] = field(default_factory=dict)
+    drafter: dict = field(default_factory=dict)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -165,6 +168,7 @@ class SpeculativeDecoder:
 
         cache = target.new_cache()
         target.prefill(cache, prompt_ids[:-1])
+        drafter.prepare(config.sampling, generator)
         drafter.begin(context.view())
         target.synchronize()
         stats.prefill_time = time.perf_counter() - start
@@ -176,10 +180,7 @@ class SpeculativeDecoder:
                 t1 = time.perf_counter()
                 past = len(context) - 1
                 output = target.forward_tree(cache, tree)
-                if config.sampling.greedy:
-                    verdict = accept_greedy(tree, output.logits, drafter.verifier_topk)
-                else:
-                    verdict = accept_sampled(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
+                verdict = verify(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
                 target.keep_path(cache, past, tree.size, (0, *verdict.path))
                 target.synchronize()
                 t2 = time.perf_counter()
@@ -196,6 +197,7 @@ class SpeculativeDecoder:
                     return
         finally:
             stats.total_time = time.perf_counter() - start
+            stats.drafter = drafter.report()
 
 
 def _truncate(tokens: list[int], room: int, eos: frozenset[int]) -> list[int]:

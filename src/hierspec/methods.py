@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 class DrafterContext:
     """What a method may need besides its options: the target (for tokenizer checks) and datastore directories.
 
+    ``draft_model`` / ``middle_model`` / ``self_verify`` are the command line's defaults for ``sd`` and ``hsddw``
+    (a method's own ``draft=`` / ``middle=`` options win); ``model_config`` is how to load such models.
+
     Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
     are optional (``hd``) also look in ``store_root`` (see :func:`~hierspec.datastore.format.default_store_dir`;
     ``None`` means ``~/.cache/hierspec/datastores``) unless ``find_default_stores`` is off.
@@ -30,6 +33,24 @@ class DrafterContext:
     datastores: tuple[str, ...] = ()
     store_root: str | None = None
     find_default_stores: bool = True
+    draft_model: str | None = None
+    middle_model: str | None = None
+    self_verify: bool = False
+    model_config: object | None = None
+
+    def load_draft_lm(self, spec: str, method: str):
+        """A :class:`~hierspec.draft_lm.DraftLM` for ``self:K`` (the target's first K layers) or a model to load
+        (id, directory or ``.gguf``; it must share the target's tokenizer)."""
+        from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model
+        from hierspec.target import TargetModel, load_model
+
+        if not isinstance(self.target, TargetModel):
+            raise InputError(f"method {method!r} needs the target model to build its draft model")
+        if spec.startswith(SELF_PREFIX):
+            return DraftLM(self_drafting_model(self.target, self_layers(spec, self.target)), self.target.vocab_size)
+        draft = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
+        check_same_tokenizer(draft, self.target)
+        return DraftLM(draft, self.target.vocab_size)
 
     def datastore(self, kind: str, method: str) -> str:
         """The first given datastore of ``kind``, or a clear error naming the option to add."""
@@ -138,11 +159,97 @@ def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
     return drafter
 
 
+def self_layers(spec: str, target) -> int:
+    """Layers of a ``self:K`` spec: ``K`` itself, or a fraction of the target's layers for ``0 < K < 1``
+    (``self:0.9`` = 27 of SmolLM2's 30)."""
+    text = spec.split(":", 1)[1]
+    try:
+        value = float(text)
+    except ValueError:
+        raise InputError(f"{spec!r}: write self:K with K a number of the target's layers or a fraction") from None
+    if 0 < value < 1:
+        total = int(target.model.config.num_hidden_layers)
+        return min(max(1, round(value * total)), total - 1)
+    if value != int(value):
+        raise InputError(f"{spec!r}: K must be a whole number of layers or a fraction below 1")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class SdOptions:
+    """``sd`` options: the draft model (``self:K`` or a model) and :class:`DraftModelConfig`'s fields.
+
+    The default draft, 90 % of the target's layers, was the fastest self-drafting depth measured on SmolLM2
+    (BENCHMARKS.md); shallower self-drafts are cheaper but almost never accepted.
+    """
+
+    draft: str = "self:0.9"
+    k: int = 4
+    self_verify: bool = False
+    tau: float = 1.0
+
+
+@dataclass(frozen=True)
+class HsddwOptions:
+    """``hsddw`` options: the first drafter (``sd`` = a draft model, or a retrieval method name), the two models,
+    the first drafter's window and threshold, and the middle model's threshold and block size.
+
+    Defaults measured on SmolLM2 (BENCHMARKS.md): prompt lookup first (free to run) and 90 % of the target's layers
+    as the middle model; with ``--draft-model`` (or ``first=sd``) the first level is a draft model, by default two
+    thirds of the target's layers.
+    """
+
+    first: str = "pld"
+    draft: str = "self:0.67"
+    middle: str = "self:0.9"
+    k: int = 4
+    tau1: float = 1.0
+    tau: float = 1.0
+    max_block: int = 16
+
+
+def _make_sd(spec: MethodSpec, context: DrafterContext) -> Drafter:
+    from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+
+    options = _config_from_options(SdOptions, spec.options, spec.name)
+    draft = _given(spec, "draft", context.draft_model, options.draft)
+    config = DraftModelConfig(k=options.k, self_verify=options.self_verify or context.self_verify, tau=options.tau)
+    return DraftModelDrafter(context.load_draft_lm(draft, spec.name), config)
+
+
+def _make_hsddw(spec: MethodSpec, context: DrafterContext) -> Drafter:
+    from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
+    from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
+
+    options = _config_from_options(HsddwOptions, spec.options, spec.name)
+    if "first" not in dict(spec.options) and context.draft_model:
+        options = dataclasses.replace(options, first="sd")  # --draft-model names the first level
+    if options.first == "sd":
+        draft = _given(spec, "draft", context.draft_model, options.draft)
+        first = DraftModelDrafter(context.load_draft_lm(draft, spec.name),
+                                  DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
+    elif options.first in METHODS and options.first not in {"ar", "hsddw"}:
+        first = make_drafter(options.first, context)
+    else:
+        raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
+                         f"{options.first!r}")
+    middle = context.load_draft_lm(_given(spec, "middle", context.middle_model, options.middle), spec.name)
+    return HSDDWDrafter(first, middle, HSDDWConfig(tau=options.tau, max_block=options.max_block))
+
+
+def _given(spec: MethodSpec, key: str, from_cli: str | None, default: str) -> str:
+    """A model option: the method's own ``key=`` first, then the command line's flag, then the default."""
+    written = dict(spec.options).get(key)
+    return written or from_cli or default
+
+
 METHODS: dict[str, Callable[[MethodSpec, DrafterContext], Drafter]] = {
     "ar": _make_ar,
     "pld": _make_pld,
     "rest": _make_rest,
     "hd": _make_hd,
+    "sd": _make_sd,
+    "hsddw": _make_hsddw,
 }
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 ROOT_SOURCE = "root"
 
@@ -33,6 +34,8 @@ class DraftTree:
         sources: name of the draft source that first proposed each node (``"root"`` for node 0).
         probs: optional draft probability of each node's token given its parent path, shape ``[n]``
             (``probs[0] == 1``); ``None`` for deterministic drafts.
+        dists: for a *sampled* chain (a draft model's), the distribution each node's token was drawn from,
+            ``[n, vocab]`` float64 (row 0 unused); verified by speculative sampling. ``None`` for deterministic drafts.
     """
 
     tokens: np.ndarray
@@ -40,6 +43,7 @@ class DraftTree:
     depths: np.ndarray
     sources: tuple[str, ...]
     probs: np.ndarray | None = None
+    dists: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -85,6 +89,21 @@ class DraftTree:
 def is_prefix(candidate: np.ndarray, kept: np.ndarray) -> bool:
     """True when the draft sequence ``candidate`` equals the start of ``kept`` (it would add no tree node)."""
     return candidate.shape[0] <= kept.shape[0] and bool(np.array_equal(candidate, kept[: candidate.shape[0]]))
+
+
+def chain(root_token: int, tokens: Sequence[int], sources: Sequence[str], dists=None) -> DraftTree:
+    """A single draft sequence as a tree; ``dists`` (``[len(tokens), vocab]``, optional) are the distributions the
+    tokens were sampled from, stored as rows 1.. of :attr:`DraftTree.dists`."""
+    n = len(tokens) + 1
+    if dists is not None:
+        dists = torch.cat([torch.zeros_like(dists[:1]), dists]) if len(tokens) else None
+    return DraftTree(
+        tokens=np.array([root_token, *tokens], dtype=np.int64),
+        parents=np.arange(-1, n - 1, dtype=np.int64),
+        depths=np.arange(n, dtype=np.int64),
+        sources=(ROOT_SOURCE, *sources),
+        dists=dists,
+    )
 
 
 def root_only(root_token: int) -> DraftTree:

@@ -25,6 +25,7 @@ class QuestionRun:
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     won_by_source: dict[str, int] = field(default_factory=dict)
+    drafter_report: dict = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -46,7 +47,8 @@ class MethodRecord:
 
 def aggregate(runs: list[QuestionRun]) -> dict:
     """Totals over runs: tokens/s is total tokens over total time (as Spec-Bench's speed.py), MAT is total tokens
-    over total target forwards."""
+    over total target forwards, redundancy σ = 1 − accepted/drafted and target utilisation η = target forwards /
+    output tokens (HSDDW section 4.4)."""
     tokens = sum(r.new_tokens for r in runs)
     wall = sum(r.wall_time for r in runs)
     forwards = sum(len(r.accept_lengths) for r in runs)
@@ -62,10 +64,27 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         "drafted": drafted,
         "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "sigma": 1 - accepted / drafted if drafted else 0.0,
+        "eta": forwards / tokens if tokens else 0.0,
         "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
         "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
         "per_source": per_source(runs, forwards),
+        **({"levels": levels(runs)} if any(r.drafter_report for r in runs) else {}),
     }
+
+
+def levels(runs: list[QuestionRun]) -> dict:
+    """Draft-model figures from the drafters' reports: mean window (tokens per block sent to the target) and, for
+    HSDDW, the first level's tokens drafted / accepted by the middle model with its redundancy σ."""
+    windows = [w for r in runs for w in r.drafter_report.get("windows", [])]
+    out: dict = {"mean_window": sum(windows) / len(windows) if windows else 0.0, "steps": len(windows)}
+    drafted = sum(r.drafter_report.get("first_drafted", 0) for r in runs)
+    if any("first_drafted" in r.drafter_report for r in runs):
+        accepted = sum(r.drafter_report.get("first_accepted", 0) for r in runs)
+        out["first"] = {"drafted": drafted, "accepted": accepted,
+                        "sigma": 1 - accepted / drafted if drafted else 0.0}
+        out["middle_tokens"] = sum(r.drafter_report.get("middle_tokens", 0) for r in runs)
+    return out
 
 
 def per_source(runs: list[QuestionRun], forwards: int) -> dict[str, dict]:

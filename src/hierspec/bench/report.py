@@ -33,6 +33,14 @@ def write_answers(out_dir: Path, records: dict[str, MethodRecord], model_name: s
                 }) + "\n")
 
 
+def _decoding(summary: dict) -> str:
+    sampling = summary.get("sampling") or {}
+    if not sampling or sampling.get("temperature", 0.0) == 0.0:
+        return "greedy"
+    return (f"sampling (temperature {sampling['temperature']}, top-p {sampling.get('top_p', 1.0)}, "
+            f"top-k {sampling.get('top_k', 0)}, seed {sampling.get('seed')})")
+
+
 def write_report(path: Path, summary: dict) -> None:
     """A Markdown report: overall table, per-task speedup and MAT tables, divergences from ``ar``."""
     methods = summary["methods"]
@@ -44,15 +52,18 @@ def write_report(path: Path, summary: dict) -> None:
         f"{summary.get('torch_threads')} torch threads), {summary.get('device')}, {summary.get('dtype')}, "
         f"torch {summary.get('torch')}, transformers {summary.get('transformers')}; "
         f"{summary.get('num_questions')} questions from `{summary.get('questions_file')}`, "
-        f"{summary['max_new_tokens']} new tokens, greedy. Speedup = tokens/s over `{summary['baseline']}` in this run.",
+        f"{summary['max_new_tokens']} new tokens, {_decoding(summary)}. Speedup = tokens/s over "
+        f"`{summary['baseline']}` in this run. σ = 1 − accepted/drafted (redundancy), η = target forwards per "
+        "output token (target utilisation).",
         "",
-        "| method | tokens/s | speedup | MAT | acceptance | draft time | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens/s | speedup | MAT | acceptance | σ | η | draft time | identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, m in methods.items():
         lines.append(
             f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {m['mat']:.2f} | "
-            f"{100 * m['acceptance_rate']:.1f}% | {100 * m['draft_time_share']:.1f}% | {m['identical_to_ar']:.2f} |"
+            f"{100 * m['acceptance_rate']:.1f}% | {m.get('sigma', 0.0):.2f} | {m.get('eta', 0.0):.2f} | "
+            f"{100 * m['draft_time_share']:.1f}% | {m['identical_to_ar']:.2f} |"
         )
     for metric, title in (("speedup", "Speedup per task"), ("mat", "MAT per task"),
                           ("identical_to_ar", "Identical to ar per task")):
@@ -70,6 +81,18 @@ def write_report(path: Path, summary: dict) -> None:
             for source, c in sources.items():
                 lines.append(f"| {label} | {source} | {c['drafted']} | {c['accepted']} | "
                              f"{100 * c['acceptance_rate']:.1f}% | {c['steps_won']} ({100 * c['won_share']:.1f}%) |")
+    leveled = [(label, m["levels"]) for label, m in methods.items() if m.get("levels")]
+    if leveled:
+        lines += ["", "## Draft-model levels", "",
+                  "Window: draft tokens per target forward. First level (HSDDW): tokens the first drafter proposed "
+                  "and the middle model accepted.", "",
+                  "| method | mean window | first drafted | first accepted | first σ | middle tokens |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for label, lv in leveled:
+            first = lv.get("first")
+            cells = ([str(first["drafted"]), str(first["accepted"]), f"{first['sigma']:.2f}",
+                      str(lv.get("middle_tokens", ""))] if first else ["", "", "", ""])
+            lines.append(f"| {label} | {lv['mean_window']:.2f} | " + " | ".join(cells) + " |")
     divergences = summary.get("divergences", [])
     lines += ["", "## Outputs that differ from ar", ""]
     if not divergences:

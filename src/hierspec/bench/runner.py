@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime as dt
 import json
 import logging
@@ -17,7 +19,7 @@ from tqdm import tqdm
 from hierspec.bench.metrics import MethodRecord, QuestionRun, explain_divergence, summarize
 from hierspec.bench.questions import Question, load_questions, select_questions
 from hierspec.bench.report import write_answers, write_report
-from hierspec.config import GenerationConfig, ModelConfig
+from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, MethodSpec, make_drafter
@@ -42,6 +44,9 @@ class BenchConfig:
         max_draft_tokens: draft budget per forward (``None``: the generation default).
         warmup: untimed generations per method before timing.
         datastores: datastore directories for the methods that use them.
+        sampling: greedy (the default) or sampling settings; a sampling run seeds every generation with
+            ``sampling.seed`` (0 when unset) so all methods see the same random stream.
+        draft_model / middle_model / self_verify: defaults for ``sd`` and ``hsddw`` (``--draft-model`` …).
     """
 
     questions: str
@@ -53,6 +58,10 @@ class BenchConfig:
     max_draft_tokens: int | None = None
     warmup: int = 1
     datastores: tuple[str, ...] = ()
+    sampling: SamplingConfig = SamplingConfig()
+    draft_model: str | None = None
+    middle_model: str | None = None
+    self_verify: bool = False
 
 
 class HierspecRunner:
@@ -74,12 +83,13 @@ class HierspecRunner:
             token_ids=result.token_ids, text=result.text, wall_time=s.total_time, accept_lengths=s.accept_lengths,
             drafted=s.drafted_tokens, accepted=s.accepted_drafts, draft_time=s.draft_time, verify_time=s.verify_time,
             accepted_by_source=s.accepted_by_source, drafted_by_source=s.drafted_by_source,
-            won_by_source=s.won_by_source,
+            won_by_source=s.won_by_source, drafter_report=s.drafter,
         )
 
 
 class HfGenerateRunner:
-    """transformers' own ``model.generate`` (greedy), the reference for hierspec's plain path."""
+    """transformers' own ``model.generate``, the reference for hierspec's plain path (greedy, or sampling with the
+    same temperature / top-p / top-k, seeded by ``torch.manual_seed``)."""
 
     def __init__(self, model: TargetModel, config: GenerationConfig) -> None:
         self.label = "hf-ar"
@@ -90,10 +100,16 @@ class HfGenerateRunner:
     def run(self, prompt_ids: list[int]) -> QuestionRun:
         target = self.model
         input_ids = torch.tensor([prompt_ids], device=target.device)
+        sampling = self.config.sampling
+        options = {"do_sample": False} if sampling.greedy else {
+            "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k}  # 0 disables top-k, overriding generation_config defaults
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed or 0)
         start = time.perf_counter()
         output = target.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.config.max_new_tokens,
-            do_sample=False, eos_token_id=sorted(target.eos_token_ids) or None,
+            **options, eos_token_id=sorted(target.eos_token_ids) or None,
             pad_token_id=target.tokenizer.pad_token_id or next(iter(target.eos_token_ids), 0),
         )
         target.synchronize()
@@ -103,7 +119,7 @@ class HfGenerateRunner:
 
 
 def make_runners(model: TargetModel, methods: tuple[str, ...], config: GenerationConfig,
-                 datastores: tuple[str, ...] = ()) -> list:
+                 context: DrafterContext | None = None) -> list:
     """One runner per method; the ``ar`` baseline is added first when missing (speedups are relative to it)."""
     specs = [m.strip() for m in methods if m.strip()]
     if BASELINE not in specs:
@@ -115,7 +131,7 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
         if text in HF_METHODS:
             runners.append(HfGenerateRunner(model, config))
         else:
-            runners.append(HierspecRunner(model, MethodSpec.parse(text), config, DrafterContext(model, datastores)))
+            runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context or DrafterContext(model)))
     return runners
 
 
@@ -140,12 +156,18 @@ def environment(model: TargetModel) -> dict:
 def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel | None = None) -> dict:
     """Run the benchmark, write answers, ``summary.json`` and ``report.md``, and return the summary."""
     questions = select_questions(load_questions(config.questions), config.per_category, config.limit)
+    sampling = config.sampling
+    if not sampling.greedy and sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=0)
     gen_config = GenerationConfig(
-        max_new_tokens=config.max_new_tokens,
+        max_new_tokens=config.max_new_tokens, sampling=sampling,
         **({} if config.max_draft_tokens is None else {"max_draft_tokens": config.max_draft_tokens}),
     )
     model = model or load_model(config=model_config)
-    runners = make_runners(model, config.methods, gen_config, config.datastores)
+    context = DrafterContext(model, config.datastores, draft_model=config.draft_model,
+                             middle_model=config.middle_model, self_verify=config.self_verify,
+                             model_config=model_config)
+    runners = make_runners(model, config.methods, gen_config, context)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -158,11 +180,12 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
         for runner in runners[shift:] + runners[:shift]:
             records[runner.label].add(question, runner.run(prompt_ids))
 
-    divergences = _explain_divergences(model, questions, prompts, records)
+    divergences = _explain_divergences(model, questions, prompts, records) if sampling.greedy else []
     summary = summarize(records, BASELINE, model_name=model.name, max_new_tokens=config.max_new_tokens)
     summary.update(environment(model))
     summary["questions_file"] = str(config.questions)
     summary["num_questions"] = len(questions)
+    summary["sampling"] = dataclasses.asdict(sampling)
     summary["divergences"] = divergences
     summary["drafters"] = {r.label: r.describe() for r in runners if hasattr(r, "describe")}
     write_answers(out_dir, records, model.name)

@@ -6,8 +6,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 
 import numpy as np
+import torch
 
 from hierspec.accept import Verdict
+from hierspec.config import SamplingConfig
 from hierspec.tree import DraftTree, root_only
 
 
@@ -23,6 +25,10 @@ class Drafter(ABC):
     #: how many of the target's top predictions per tree node the drafter wants in each verdict (1 = argmax only)
     verifier_topk: int = 1
 
+    def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        """Called before :meth:`begin` with the generation's sampling settings and random source (drafters that
+        sample their drafts, such as draft models, use them)."""
+
     def begin(self, prompt: np.ndarray) -> None:
         """Reset per-generation state; ``prompt`` holds the prompt's token ids."""
 
@@ -32,6 +38,10 @@ class Drafter(ABC):
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
+
+    def report(self) -> dict:
+        """The drafter's own counters for the generation that just ended (empty by default)."""
+        return {}
 
     def describe(self) -> dict:
         """Settings and data sources, recorded with benchmark results."""

@@ -1,0 +1,127 @@
+"""Draft language models: a second causal LM (or the target's own first layers) run incrementally with a KV cache.
+
+:class:`DraftLM` keeps the cache in step with whatever context it is asked about: it remembers the tokens whose
+keys and values the cache holds, crops the cache back to the longest common prefix with the new context (the
+accepted prefix after a verification) and feeds only the missing tokens.
+
+:func:`self_drafting_model` builds the draft model every target has: its first ``k`` decoder layers followed by its
+final norm and LM head, sharing the target's weights (no copy, no training).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from hierspec.errors import InputError
+from hierspec.target import TargetModel
+from hierspec.tree import DraftTree, root_only
+
+SELF_PREFIX = "self:"
+
+
+def self_drafting_model(target: TargetModel, layers: int) -> TargetModel:
+    """The target truncated to its first ``layers`` decoder layers, sharing every weight with the target.
+
+    Works for decoders that keep their layers in an ``nn.ModuleList`` named ``layers`` and run
+    ``config.num_hidden_layers`` of them (Llama, Qwen2, Mistral, Gemma, Phi-3 and most other Hugging Face causal
+    LMs). The outer modules are shallow copies with their own child tables, so the target is left untouched.
+    """
+    model = target.model
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    stack = getattr(base, "layers", None)
+    if base is None or not isinstance(stack, nn.ModuleList):
+        raise InputError(f"{target.name}: self-drafting needs a decoder whose layers are an nn.ModuleList `layers`")
+    total = len(stack)
+    if not 1 <= layers < total:
+        raise InputError(f"self-drafting takes 1 to {total - 1} of {target.name}'s {total} layers, not {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    short_base = _shallow_module_copy(base)
+    short_base.layers = nn.ModuleList(list(stack)[:layers])
+    short_base.config = config
+    short = _shallow_module_copy(model)
+    setattr(short, model.base_model_prefix, short_base)
+    short.config = config
+    return TargetModel(short, target.tokenizer, name=f"{target.name}[{SELF_PREFIX}{layers}]")
+
+
+def _shallow_module_copy(module: nn.Module) -> nn.Module:
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)  # its own child table: replacing a child leaves the original intact
+    return clone
+
+
+def check_same_tokenizer(draft: TargetModel, target: TargetModel) -> None:
+    """Refuse a draft model whose tokenizer differs from the target's: its token ids would mean other text."""
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise InputError(
+            f"the draft model {draft.name} uses another tokenizer than the target {target.name} "
+            f"(fingerprints {draft.tokenizer_fingerprint[:12]} and {target.tokenizer_fingerprint[:12]}); "
+            "use a model of the same family, or self-drafting (--draft-model self:K)"
+        )
+    if draft.vocab_size < target.vocab_size:
+        raise InputError(f"the draft model {draft.name} has {draft.vocab_size} output rows, fewer than the "
+                         f"target's {target.vocab_size}")
+
+
+class DraftLM:
+    """A model run incrementally over a growing, sometimes rolled back, context."""
+
+    def __init__(self, model: TargetModel, vocab_size: int | None = None) -> None:
+        self.model = model
+        self.vocab_size = vocab_size or model.vocab_size
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (start of a generation)."""
+        self.forwards = 0
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Empty the cache."""
+        self._cache = self.model.new_cache()
+        self._tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
+
+    def _sync(self, prefix: np.ndarray) -> None:
+        """Crop the cache to its longest common prefix with ``prefix``, then feed the rest of ``prefix``."""
+        held = np.asarray(self._tokens[: prefix.shape[0]], dtype=np.int64)
+        differs = np.flatnonzero(held != prefix[: held.shape[0]])
+        common = int(differs[0]) if differs.size else held.shape[0]
+        if common == 0 and self._tokens:
+            self.reset_cache()
+        elif common < len(self._tokens):
+            self._cache.crop(common - len(self._tokens))
+            del self._tokens[common:]
+        missing = prefix[common:].tolist()
+        if missing:
+            self.model.prefill(self._cache, missing)
+            self.forwards += 1
+            self._tokens.extend(missing)
+
+    def score_tree(self, context: np.ndarray, tree: DraftTree) -> torch.Tensor:
+        """Logits after every node of ``tree`` (rooted at ``context[-1]``), ``[n, vocab]``; follow with :meth:`keep`."""
+        self._sync(context[:-1])
+        logits = self.model.forward_tree(self._cache, tree).logits
+        self.forwards += 1
+        self._pending = (tree, len(self._tokens))
+        return logits[:, : self.vocab_size]
+
+    def keep(self, path: Sequence[int]) -> None:
+        """After :meth:`score_tree`, keep the root and the nodes of ``path`` in the cache; drop the rest."""
+        tree, past = self._pending
+        keep = (0, *path)
+        self.model.keep_path(self._cache, past, tree.size, keep)
+        self._tokens.extend(int(tree.tokens[i]) for i in keep)
+
+    def next_logits(self, context: np.ndarray) -> torch.Tensor:
+        """Logits of the token after ``context`` (``[vocab]``); the cache then holds all of ``context``."""
+        logits = self.score_tree(context, root_only(int(context[-1])))
+        self.keep(())
+        return logits[0]

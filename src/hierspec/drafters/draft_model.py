@@ -1,0 +1,154 @@
+"""Draft-model drafting with HSDDW's self-verify dynamic window (HSDDW section 3.1, algorithm 1).
+
+A draft model (any causal LM with the target's tokenizer, or the target's own first layers) proposes up to ``K``
+tokens one at a time. Under sampling each token is drawn from the draft's warped distribution ``q`` and the chain
+carries every ``q``, so the verifier applies speculative sampling (accept with ``min(1, p/q)``, resample from the
+residual); at temperature 0 the draft takes the argmax and the greedy rule applies.
+
+*Self-verify*: drafting stops as soon as the entropy of the draft's distribution at the current position exceeds
+the confidence threshold ``τ``, the mean entropy of the draft tokens the verifier rejected so far in this generation
+(the drafted token at that position is still proposed, as in algorithm 1). The paper starts from ``τ = 0``; the
+starting value is configurable because with ``τ = 0`` every window has length one until the first rejection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hierspec.accept import Verdict, sample_token, warp_probs
+from hierspec.config import SamplingConfig
+from hierspec.draft_lm import DraftLM
+from hierspec.drafters.base import Drafter
+from hierspec.tree import DraftTree, chain, root_only
+
+DRAFT_SOURCE = "draft"
+
+
+def entropy(probs: torch.Tensor) -> float:
+    """Shannon entropy in nats of a probability vector."""
+    positive = probs[probs > 0]
+    return float(-(positive * positive.log()).sum())
+
+
+class EntropyThreshold:
+    """HSDDW's confidence threshold: the mean entropy of the rejected draft tokens seen so far."""
+
+    def __init__(self, initial: float) -> None:
+        self.initial = initial
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the initial threshold (start of a generation)."""
+        self.rejected: list[float] = []
+
+    @property
+    def value(self) -> float:
+        """The current threshold ``τ``."""
+        return sum(self.rejected) / len(self.rejected) if self.rejected else self.initial
+
+    def record_rejection(self, entropy_of_rejected: float) -> None:
+        """A draft token whose distribution had this entropy was rejected."""
+        self.rejected.append(entropy_of_rejected)
+
+    def confident(self, value: float) -> bool:
+        """True while an entropy stays at or under the threshold."""
+        return value <= self.value
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Settings of :class:`DraftModelDrafter`.
+
+    Attributes:
+        k: window size ``K``, the most tokens drafted per step.
+        self_verify: stop early when the draft's entropy exceeds the threshold ``τ``.
+        tau: starting threshold in nats (before any rejection); HSDDW's algorithm starts at 0.
+    """
+
+    k: int = 4
+    self_verify: bool = False
+    tau: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError("k must be >= 1")
+        if self.tau < 0 or math.isnan(self.tau):
+            raise ValueError("tau must be >= 0")
+
+
+class SampledDraft:
+    """Draws draft tokens the way the generation samples: argmax when greedy, else from the warped distribution."""
+
+    def __init__(self) -> None:
+        self.sampling = SamplingConfig()
+        self.generator = torch.Generator()
+
+    def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self.sampling, self.generator = sampling, generator
+
+    def draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """A token, the distribution it was drawn from (``None`` when greedy) and that distribution's entropy.
+
+        Greedy drafting has no distribution to verify against; its confidence is the entropy of the plain softmax.
+        """
+        if self.sampling.greedy:
+            return int(logits.argmax()), None, entropy(torch.softmax(logits.to(torch.float64), dim=-1))
+        q = warp_probs(logits, self.sampling)
+        return sample_token(q, self.generator), q, entropy(q)
+
+
+class DraftModelDrafter(Drafter):
+    """Speculative decoding with a draft model (``sd``), optionally with self-verify windows."""
+
+    name = "sd"
+
+    def __init__(self, lm: DraftLM, config: DraftModelConfig | None = None) -> None:
+        self.lm = lm
+        self.config = config or DraftModelConfig()
+        self.threshold = EntropyThreshold(self.config.tau)
+        self.sampler = SampledDraft()
+        self._entropies: list[float] = []
+        self.windows: list[int] = []
+
+    def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self.sampler.prepare(sampling, generator)
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.lm.reset()
+        self.threshold.reset()
+        self.windows = []
+        self._entropies = []
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        window = min(self.config.k, budget)
+        self._entropies = []
+        if window <= 0:
+            return root_only(int(context[-1]))
+        tokens, dists = [], []
+        logits = self.lm.next_logits(context)
+        while True:
+            token, q, h = self.sampler.draw(logits)
+            tokens.append(token)
+            dists.append(q)
+            self._entropies.append(h)
+            if len(tokens) == window or (self.config.self_verify and not self.threshold.confident(h)):
+                break
+            logits = self.lm.next_logits(np.append(context, tokens))
+        self.windows.append(len(tokens))
+        stacked = None if dists[0] is None else torch.stack(dists)
+        return chain(int(context[-1]), tokens, [DRAFT_SOURCE] * len(tokens), stacked)
+
+    def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        accepted = len(verdict.path)
+        if accepted < len(self._entropies):  # the token at position `accepted` was rejected
+            self.threshold.record_rejection(self._entropies[accepted])
+
+    def report(self) -> dict:
+        return {"windows": list(self.windows), "tau": self.threshold.value, "draft_forwards": self.lm.forwards}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "draft_model": self.lm.model.name}

@@ -1,0 +1,147 @@
+"""HSDDW: hierarchical speculative decoding with dynamic windows (HSDDW section 3.2, algorithm 2).
+
+Three levels. A fast first drafter ``M1`` (a draft model with self-verify, or any drafter: prompt lookup, REST, HD)
+proposes; a stronger middle model ``M2`` *pre-verifies* the proposal and adds its own token after the accepted
+part; while ``M2`` stays confident (the entropy of its distribution at every position it just decided stays under
+its threshold ``τ2``) control returns to ``M1`` for more; when ``M2`` loses confidence, or the budget is used up,
+the whole block goes to the target, which verifies it in one forward.
+
+Why the block is exactly an ``M2`` sample, so that the target's verification is lossless:
+
+* ``M2`` verifies ``M1``'s proposal with the same rules the target uses (:func:`hierspec.accept.verify`): speculative
+  sampling against ``M1``'s ``q`` for a sampled chain, the deterministic-draft rule (draw ``x ~ p2``, descend if a
+  child carries ``x``) for retrieval trees. Both emit tokens each distributed exactly as ``p2`` given the tokens
+  before it — the accepted draft tokens and then ``M2``'s own token (the residual draw on a rejection, a plain draw
+  from ``p2`` when everything passed).
+* So every block token ``b_i`` is distributed as ``p2(· | context, b_<i)``, and the block carries those ``p2`` rows
+  as its draft distributions ``q``. Whether the block continues or stops after ``b_i`` is decided from tokens
+  already drawn (entropies of ``p2`` up to that position, the budget), never from a token not yet verified, so the
+  target's speculative sampling with ``q = p2`` keeps exactly the target's distribution (Leviathan et al., theorem
+  1, applied position by position).
+* The paper's pseudo-code adds ``M2``'s resampled token to the context but counts only the ``n`` accepted tokens in
+  ``n_tot``, so that token would skip the target's verification; here every block token reaches the target.
+
+At temperature 0 the same structure runs with argmax rules, and the output is the target's greedy output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hierspec.accept import Verdict, verify, warp_probs
+from hierspec.config import SamplingConfig
+from hierspec.draft_lm import DraftLM
+from hierspec.drafters.base import Drafter
+from hierspec.drafters.draft_model import EntropyThreshold, entropy
+from hierspec.tree import DraftTree, chain, root_only
+
+MIDDLE_SOURCE = "middle"
+
+
+@dataclass(frozen=True)
+class HSDDWConfig:
+    """Settings of :class:`HSDDWDrafter`.
+
+    Attributes:
+        tau: the middle model's starting confidence threshold in nats (before any target rejection).
+        max_block: most tokens in one block sent to the target (the generation's draft budget also caps it).
+    """
+
+    tau: float = 1.0
+    max_block: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_block < 1:
+            raise ValueError("max_block must be >= 1")
+        if not self.tau >= 0:
+            raise ValueError("tau must be >= 0")
+
+
+class HSDDWDrafter(Drafter):
+    """First drafter → middle model (pre-verify + self-verify) → target."""
+
+    name = "hsddw"
+
+    def __init__(self, first: Drafter, middle: DraftLM, config: HSDDWConfig | None = None) -> None:
+        self.first = first
+        self.middle = middle
+        self.config = config or HSDDWConfig()
+        self.threshold = EntropyThreshold(self.config.tau)
+        self._sampling = SamplingConfig()
+        self._generator = torch.Generator()
+        self._entropies: list[float] = []
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.counts = {"first_drafted": 0, "first_accepted": 0, "middle_tokens": 0, "rounds": 0}
+        self.windows: list[int] = []
+
+    @property
+    def verifier_topk(self) -> int:
+        return self.first.verifier_topk
+
+    def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
+        self._sampling, self._generator = sampling, generator
+        self.first.prepare(sampling, generator)
+
+    def begin(self, prompt: np.ndarray) -> None:
+        self.first.begin(prompt)
+        self.middle.reset()
+        self.threshold.reset()
+        self._reset_counts()
+
+    def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        limit = min(budget, self.config.max_block)
+        self._entropies = []
+        if limit <= 0:
+            return root_only(int(context[-1]))
+        tokens: list[int] = []
+        sources: list[str] = []
+        dists: list[torch.Tensor] = []
+        confident = True
+        while confident and len(tokens) < limit:
+            current = np.append(context, tokens).astype(np.int64)
+            proposal = self.first.propose(current, limit - len(tokens) - 1)  # room for M2's own token
+            verdict, logits = self._pre_verify(current, proposal)
+            self.first.observe(verdict, np.append(current, verdict.accepted_tokens).astype(np.int64))
+            round_sources = [*(proposal.sources[i] for i in verdict.path), MIDDLE_SOURCE]
+            # the token after node i is distributed as M2's (warped) distribution at node i
+            for node, token, source in zip((0, *verdict.path), verdict.accepted_tokens, round_sources):
+                row = None if self._sampling.greedy else warp_probs(logits[node], self._sampling)
+                h = entropy(row if row is not None else torch.softmax(logits[node], dim=-1))
+                tokens.append(token)
+                sources.append(source)
+                dists.append(row)
+                self._entropies.append(h)
+                confident = confident and self.threshold.confident(h)
+            self.counts["rounds"] += 1
+            self.counts["first_drafted"] += proposal.num_drafted
+            self.counts["first_accepted"] += len(verdict.path)
+            self.counts["middle_tokens"] += 1
+        del tokens[limit:], sources[limit:], dists[limit:], self._entropies[limit:]
+        self.windows.append(len(tokens))
+        stacked = None if self._sampling.greedy else torch.stack(dists)
+        return chain(int(context[-1]), tokens, sources, stacked)
+
+    def _pre_verify(self, context: np.ndarray, proposal: DraftTree) -> tuple[Verdict, torch.Tensor]:
+        """M2 verifies M1's proposal with the target's rules; returns its verdict and its logits per node."""
+        logits = self.middle.score_tree(context, proposal).to(torch.float64)
+        verdict = verify(proposal, logits, self._sampling, self._generator)
+        self.middle.keep(verdict.path)
+        return verdict, logits
+
+    def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        accepted = len(verdict.path)
+        if accepted < len(self._entropies):
+            self.threshold.record_rejection(self._entropies[accepted])
+
+    def report(self) -> dict:
+        first = self.first.report()
+        return {**self.counts, "windows": list(self.windows), "tau_middle": self.threshold.value,
+                "middle_forwards": self.middle.forwards, **({"first": first} if first else {})}
+
+    def describe(self) -> dict:
+        return {**super().describe(), "first": self.first.describe(), "middle_model": self.middle.model.name}

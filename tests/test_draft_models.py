@@ -1,0 +1,220 @@
+"""Draft models: self-drafting, the draft LM's cache, sd with self-verify, HSDDW — greedy identity and unit rules."""
+
+import numpy as np
+import pytest
+import torch
+
+from hierspec.accept import Verdict, accept_speculative
+from hierspec.config import GenerationConfig, SamplingConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.draft_lm import DraftLM, check_same_tokenizer, self_drafting_model
+from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
+from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
+from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
+from hierspec.errors import InputError
+from hierspec.methods import DrafterContext, make_drafter
+from hierspec.tree import chain, root_only
+from tiny import ARCHITECTURES, make_target
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def target(request):
+    return make_target(request.param, vocab_size=VOCAB, seed=3, layers=4)
+
+
+@pytest.fixture(scope="module")
+def small(target):
+    """A separate, smaller model with the same vocabulary and tokenizer as the target."""
+    arch = "llama" if "llama" in target.name else "qwen2"
+    return make_target(arch, vocab_size=VOCAB, seed=11, layers=1, hidden=16)
+
+
+def _prompts(count, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, VOCAB, size=int(rng.integers(1, 20))).tolist() for _ in range(count)]
+
+
+# ---------------------------------------------------------------- self-drafting and the draft LM
+
+
+def test_self_drafting_shares_weights_and_leaves_the_target_intact(target):
+    draft = self_drafting_model(target, 2)
+    assert draft.model.config.num_hidden_layers == 2 and target.model.config.num_hidden_layers == 4
+    assert len(draft.model.model.layers) == 2 and len(target.model.model.layers) == 4
+    assert draft.model.model.layers[1] is target.model.model.layers[1]
+    assert draft.model.lm_head.weight.data_ptr() == target.model.lm_head.weight.data_ptr()
+    assert draft.model.model.norm is target.model.model.norm
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.inference_mode():
+        hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states[2]  # after 2 layers
+        expected = target.model.lm_head(target.model.model.norm(hidden))
+        assert torch.allclose(draft.model(input_ids=ids).logits, expected)
+        assert target.model(input_ids=ids).logits.shape == expected.shape  # still the full model
+
+
+def test_self_drafting_rejects_bad_layer_counts(target):
+    for layers in (0, 4, 9):
+        with pytest.raises(InputError, match="self-drafting takes 1 to 3"):
+            self_drafting_model(target, layers)
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(target):
+    other = make_target("llama", vocab_size=VOCAB + 2, seed=1, layers=1, hidden=16)
+    with pytest.raises(InputError, match="another tokenizer"):
+        check_same_tokenizer(other, target)
+
+
+def test_draft_lm_rolls_back_to_the_accepted_prefix(target):
+    lm = DraftLM(target)
+    with torch.inference_mode():
+        def fresh(ids):
+            return target.model(input_ids=torch.tensor([ids])).logits[0, -1]
+        context = np.array([4, 8, 15, 16], dtype=np.int64)
+        assert torch.allclose(lm.next_logits(context), fresh([4, 8, 15, 16]))
+        assert torch.allclose(lm.next_logits(np.append(context, [23, 42])), fresh([4, 8, 15, 16, 23, 42]))
+        # the next context diverges after 16: the cache must drop 23, 42
+        assert torch.allclose(lm.next_logits(np.append(context, [30])), fresh([4, 8, 15, 16, 30]))
+        assert torch.allclose(lm.next_logits(context[:2]), fresh([4, 8]))
+
+
+# ---------------------------------------------------------------- rules
+
+
+def test_speculative_sampling_along_a_chain_on_hand_made_distributions():
+    """p = [0.2, 0.5, 0.3, 0] after the root, q = [0.1, 0.8, 0.1, 0]: draft token 1 is kept with probability
+    p/q = 0.625; on rejection the residual norm(max(p - q, 0)) = [1/3, 0, 2/3, 0] gives the replacement; when kept,
+    the bonus is a plain draw from the uniform p after it. With the draft token itself drawn from q, the first
+    output token is distributed as p."""
+    q = torch.tensor([[0.1, 0.8, 0.1, 0.0]], dtype=torch.float64)
+    p_logits = torch.log(torch.tensor([[0.2, 0.5, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64))
+    tree = chain(3, [1], ["draft"], q)
+    generator = torch.Generator().manual_seed(0)
+    runs = 20_000
+    first = np.zeros(4)
+    replaced = np.zeros(4)
+    bonus = np.zeros(4)
+    for _ in range(runs):
+        verdict = accept_speculative(tree, p_logits, SamplingConfig(temperature=1.0), generator)
+        if verdict.path:
+            first[1] += 1
+            bonus[verdict.bonus] += 1
+        else:
+            first[verdict.bonus] += 1
+            replaced[verdict.bonus] += 1
+    assert abs(first[1] / runs - 0.625) < 0.015
+    assert replaced[1] == replaced[3] == 0
+    assert abs(replaced[2] / replaced.sum() - 2 / 3) < 0.03
+    assert np.allclose(bonus / bonus.sum(), 0.25, atol=0.02)
+    out = np.zeros(4)
+    for _ in range(runs):
+        drafted = int(torch.multinomial(q[0], 1, generator=generator))
+        verdict = accept_speculative(chain(3, [drafted], ["draft"], q), p_logits, SamplingConfig(temperature=1.0),
+                                     generator)
+        out[verdict.accepted_tokens[0]] += 1
+    assert np.allclose(out / runs, [0.2, 0.5, 0.3, 0.0], atol=0.015)
+
+
+def test_entropy_threshold_follows_the_rejections():
+    threshold = EntropyThreshold(initial=0.7)
+    assert threshold.value == 0.7 and threshold.confident(0.7) and not threshold.confident(0.71)
+    for h, expected in [(2.0, 2.0), (1.0, 1.5), (0.0, 1.0), (3.0, 1.5)]:
+        threshold.record_rejection(h)
+        assert threshold.value == pytest.approx(expected)
+    threshold.reset()
+    assert threshold.value == 0.7
+    assert entropy(torch.tensor([0.5, 0.5, 0.0])) == pytest.approx(np.log(2))
+
+
+class _FixedLM:
+    """A stand-in draft LM whose distribution depends only on the number of tokens drafted so far."""
+
+    def __init__(self, rows):
+        self.rows, self.forwards, self.model = rows, 0, type("M", (), {"name": "fixed"})()
+        self.start = 0
+
+    def reset(self):
+        self.forwards = 0
+
+    def next_logits(self, context):
+        row = self.rows[min(len(context) - self.start, len(self.rows) - 1)]
+        return torch.log(torch.tensor(row, dtype=torch.float64))
+
+
+def test_self_verify_window_stops_above_the_threshold_and_learns_from_rejections():
+    confident, unsure = [0.97, 0.01, 0.01, 0.01], [0.25, 0.25, 0.25, 0.25]
+    lm = _FixedLM([confident, confident, unsure, confident, confident])
+    drafter = DraftModelDrafter(lm, DraftModelConfig(k=5, self_verify=True, tau=1.0))
+    drafter.begin(np.array([1]))
+    lm.start = 1
+    tree = drafter.propose(np.array([1]), budget=8)
+    assert tree.tokens.tolist() == [1, 0, 0, 0]  # stops after the third token: entropy ln 4 > 1.0
+    # the verifier rejects the third token (entropy ln 4): τ becomes ln 4 and the next window runs to k
+    drafter.observe(Verdict(tree, path=(1, 2), bonus=3, target_argmax=np.zeros(4, dtype=np.int64)), np.array([1]))
+    assert drafter.threshold.value == pytest.approx(np.log(4))
+    assert drafter.propose(np.array([1]), budget=8).num_drafted == 5
+    assert drafter.report()["windows"] == [3, 5]
+
+
+# ---------------------------------------------------------------- greedy identity
+
+
+def _check_identity(target, drafter, prompts, max_new_tokens=32):
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    decoder = SpeculativeDecoder(target, drafter)
+    accepted = 0
+    for prompt in prompts:
+        reference = plain.generate(prompt, config)
+        result = decoder.generate(prompt, config)
+        assert result.token_ids == reference.token_ids
+        accepted += result.stats.accepted_drafts
+    return accepted
+
+
+@pytest.mark.parametrize("self_verify", [False, True])
+def test_sd_with_a_separate_draft_model_reproduces_plain_decoding(target, small, self_verify):
+    drafter = DraftModelDrafter(DraftLM(small), DraftModelConfig(k=5, self_verify=self_verify, tau=2.0))
+    _check_identity(target, drafter, _prompts(6, seed=1))
+
+
+def test_sd_self_drafting_reproduces_plain_decoding_and_gets_drafts_accepted(target):
+    drafter = make_drafter("sd:draft=self:3,k=4", DrafterContext(target))
+    assert _check_identity(target, drafter, _prompts(6, seed=2)) > 0
+
+
+def test_hsddw_reproduces_plain_decoding(target, small):
+    drafter = HSDDWDrafter(
+        DraftModelDrafter(DraftLM(small), DraftModelConfig(k=3, self_verify=True, tau=2.0)),
+        DraftLM(self_drafting_model(target, 3)), HSDDWConfig(tau=2.5, max_block=10))
+    assert _check_identity(target, drafter, _prompts(6, seed=3)) > 0
+    report = drafter.report()
+    assert report["rounds"] >= len(report["windows"]) and report["first_drafted"] >= report["first_accepted"]
+
+
+def test_retrieval_first_hsddw_reproduces_plain_decoding(target):
+    drafter = make_drafter("hsddw:first=pld,middle=self:3,tau=3", DrafterContext(target))
+    rng = np.random.default_rng(5)
+    prompts = []
+    for _ in range(5):
+        motif = rng.integers(1, VOCAB, size=6).tolist()
+        prompts.append(motif * 3 + motif[:2])
+    _check_identity(target, drafter, prompts)
+    assert drafter.report()["first_drafted"] > 0
+
+
+def test_sd_methods_parse_their_options(target):
+    drafter = make_drafter("sd:draft=self:2,k=6,self_verify=true,tau=0.5", DrafterContext(target))
+    assert drafter.config == DraftModelConfig(k=6, self_verify=True, tau=0.5)
+    assert drafter.lm.model.model.config.num_hidden_layers == 2
+    cli = make_drafter("sd", DrafterContext(target, draft_model="self:1"))
+    assert cli.lm.model.model.config.num_hidden_layers == 1
+    with pytest.raises(InputError, match="self:K"):
+        make_drafter("sd:draft=self:x", DrafterContext(target))
+    assert make_drafter("sd:draft=self:0.5", DrafterContext(target)).lm.model.model.config.num_hidden_layers == 2
+    assert isinstance(make_drafter("hsddw", DrafterContext(target, draft_model="self:1")).first, DraftModelDrafter)
+    assert isinstance(make_drafter("hsddw", DrafterContext(target)).first, PromptLookupDrafter)
+    with pytest.raises(InputError, match="first drafter"):
+        make_drafter("hsddw:first=ar", DrafterContext(target))
+    assert root_only(1).num_drafted == 0
