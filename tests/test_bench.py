@@ -95,9 +95,14 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
             for i, cat in enumerate(["writing", "coding", "translation", "translation"])]
     questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    summary = run_bench(BenchConfig(questions=str(questions), methods=("hf-ar", "pld", "hd:l=1", "sd:draft=self:1"),
+    summary = run_bench(BenchConfig(questions=str(questions),
+                                    methods=("hf-ar", "hf-pld", "pld", "hd:l=1", "sd:draft=self:1"),
                                     max_new_tokens=16, out_dir=str(out)), ModelConfig(spec=str(model_dir)))
-    assert set(summary["methods"]) == {"ar", "hf-ar", "pld", "hd:l=1", "sd:draft=self:1"}
+    assert set(summary["methods"]) == {"ar", "hf-ar", "hf-pld", "pld", "hd:l=1", "sd:draft=self:1"}
+    assert summary["methods"]["hf-pld"]["identical_to_ar"] == 1.0 and summary["methods"]["hf-pld"]["mat"] == 0.0
+    for plot in ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({plot})" in (out / "report.md").read_text()
     assert summary["methods"]["sd:draft=self:1"]["identical_to_ar"] == 1.0
     assert summary["methods"]["sd:draft=self:1"]["levels"]["mean_window"] > 0
     assert summary["drafters"]["hd:l=1"]["databases"] == ["context"]
@@ -125,9 +130,14 @@ def test_bench_sampling_run_records_its_settings(tmp_path, model_dir):
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": ["w1 w2 w3 w1 w2"]}) + "\n")
     config = BenchConfig(questions=str(questions), methods=("hf-ar", "sd:draft=self:1"), max_new_tokens=8,
-                         out_dir=str(tmp_path / "out"), sampling=SamplingConfig(temperature=1.0, top_p=0.9))
+                         out_dir=str(tmp_path / "out"), sampling=SamplingConfig(temperature=1.0, top_p=0.9),
+                         sampling_seeds=(0, 1, 2))
     summary = run_bench(config, ModelConfig(spec=str(model_dir)))
-    assert summary["sampling"]["temperature"] == 1.0 and summary["sampling"]["seed"] == 0
+    assert summary["sampling"]["temperature"] == 1.0 and summary["sampling"]["seeds"] == [0, 1, 2]
+    spread = summary["seeds"]["sd:draft=self:1"]
+    assert list(spread["speedups"]) == ["0", "1", "2"] and spread["min"] <= spread["mean"] <= spread["max"]
+    assert summary["methods"]["ar"]["questions"] == 3  # one question, three seeds
+    assert "## Speedup per sampling seed" in (tmp_path / "out" / "report.md").read_text()
     assert summary["divergences"] == []
     assert "sampling (temperature 1.0, top-p 0.9" in (tmp_path / "out" / "report.md").read_text()
     assert all(m["new_tokens"] > 0 for m in summary["methods"].values())
@@ -141,3 +151,88 @@ def test_method_lists_keep_options_together():
     spec = MethodSpec.parse("pld:min_ngram=2,max_matches=1")
     assert spec.options == (("min_ngram", "2"), ("max_matches", "1"))
     assert spec.label == "pld:min_ngram=2,max_matches=1"
+
+
+def test_workloads_prompt_files_humaneval_and_seeded_subsets(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "first"}\n{"text": "second", "category": "chat"}\n{"question": "third"}\n')
+    questions = load_questions(prompts)
+    assert [(q.turns, q.category) for q in questions] == [(("first",), "default"), (("second",), "chat"),
+                                                          (("third",), "default")]
+    (tmp_path / "empty.jsonl").write_text('{"prompt": "  "}\n')
+    with pytest.raises(InputError, match="empty.jsonl:1"):
+        load_questions(tmp_path / "empty.jsonl")
+    humaneval = load_questions("humaneval")
+    assert len(humaneval) == 164 and humaneval[0].question_id == "HumanEval/0"
+    assert humaneval[0].raw and humaneval[0].task == "humaneval" and humaneval[0].turns[0].startswith("from typing")
+    picked = select_questions(humaneval, limit=40, seed=3)
+    assert picked == select_questions(humaneval, limit=40, seed=3)  # reproducible
+    assert picked != humaneval[:40] and len(set(q.question_id for q in picked)) == 40
+
+
+class _EchoRunner:
+    """Records the prompts it is given and answers each with a fixed two-word text."""
+
+    label = "echo"
+
+    def __init__(self):
+        self.prompts = []
+
+    def run(self, prompt_ids, seed=None):
+        self.prompts.append(list(prompt_ids))
+        return QuestionRun([5, 6], f"w5 w6 answer{len(self.prompts)}", 0.1, [1, 1])
+
+
+def test_second_turn_sees_the_first_answer():
+    from hierspec.bench.runner import run_turns
+    from tiny import make_target
+
+    target = make_target("llama", vocab_size=64, seed=1)
+    target.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+                                      "{% if add_generation_prompt %}assistant:{% endif %}")
+    question = Question(7, "writing", ("w1 w2", "w3 w4"))
+    runner = _EchoRunner()
+    run = run_turns(runner, target, question)
+    expected_second = target.encode_messages([{"role": "user", "content": "w1 w2"},
+                                              {"role": "assistant", "content": "w5 w6 answer1"},
+                                              {"role": "user", "content": "w3 w4"}])
+    assert runner.prompts == [target.encode_messages([{"role": "user", "content": "w1 w2"}]), expected_second]
+    assert [t["text"] for t in run.turns] == ["w5 w6 answer1", "w5 w6 answer2"]
+    assert run.token_ids == [5, 6, 5, 6] and run.wall_time == pytest.approx(0.2) and run.accept_lengths == [1] * 4
+    first_only = run_turns(_EchoRunner(), target, question, first_turn_only=True)
+    assert len(first_only.turns) == 1
+
+
+def test_compare_renders_two_summaries(tmp_path):
+    from hierspec.bench.compare import compare_summaries
+
+    def write(name, methods):
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "summary.json").write_text(json.dumps({"model": "m", "methods": methods}))
+        return directory
+
+    row = {"tokens_per_s": 20.0, "speedup": 1.25, "mat": 1.5, "acceptance_rate": 0.25}
+    a = write("a", {"ar": {**row, "speedup": 1.0}, "pld": row})
+    b = write("b", {"ar": {**row, "speedup": 1.0}, "hd": {**row, "speedup": 1.5}})
+    table = compare_summaries(a, b / "summary.json")
+    assert "| pld | 20.00 | — | 1.250 | — | 1.50 | — | 25.0% | — |" in table
+    assert "| hd | — | 20.00 | — | 1.500 | — | 1.50 | — | 25.0% |" in table
+    with pytest.raises(InputError, match="no benchmark summary"):
+        compare_summaries(a, tmp_path / "missing")
+
+
+def test_hf_assisted_uses_the_draft_model_and_matches_hf_ar():
+    from hierspec.bench.runner import _hf_runner
+    from hierspec.config import GenerationConfig
+    from hierspec.methods import DrafterContext
+    from tiny import make_target
+
+    target = make_target("llama", vocab_size=64, seed=3, layers=3)
+    config = GenerationConfig(max_new_tokens=12)
+    assisted = _hf_runner("hf-assisted", target, config, DrafterContext(target, draft_model="self:1"))
+    plain = _hf_runner("hf-ar", target, config, DrafterContext(target))
+    assert "assistant_model" in assisted.options
+    assert assisted.run([5, 6, 7, 5, 6]).token_ids == plain.run([5, 6, 7, 5, 6]).token_ids
+    with pytest.raises(InputError, match="--draft-model"):
+        _hf_runner("hf-assisted", target, config, DrafterContext(target))

@@ -206,3 +206,39 @@ def test_model_store_errors(capsys, model_dir, model_store_dir, tmp_path):
     assert code == 2 and "was built with tokenizer" in err
     code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "hd:order=cz")
     assert code == 2 and "use each of the letters" in err
+
+
+def test_sd_and_hsddw_from_the_command_line_match_ar(capsys, model_dir):
+    outputs = set()
+    for args in (["--method", "ar"], ["--method", "sd", "--draft-model", "self:1", "--self-verify"],
+                 ["--method", "hsddw", "--draft-model", "self:1", "--middle-model", "self:1"]):
+        code, out, _ = _run(capsys, "generate", "w5 w6 w7 w5 w6", "--model", model_dir, "--raw", "--json",
+                            "--max-new-tokens", "12", *args)
+        assert code == 0
+        outputs.add(tuple(json.loads(out)["token_ids"]))
+    assert len(outputs) == 1
+    code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "sd",
+                        "--draft-model", "self:9")
+    assert code == 2 and "self-drafting takes 1 to 1" in err
+
+
+def test_bench_compare_and_missing_arguments(capsys, tmp_path):
+    for name, speedup in (("a", 1.2), ("b", 1.4)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"methods": {"pld": {
+            "tokens_per_s": 10.0, "speedup": speedup, "mat": 1.5, "acceptance_rate": 0.2}}}))
+    code, out, _ = _run(capsys, "bench", "--compare", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert code == 0 and "| pld | 10.00 | 10.00 | 1.200 | 1.400 |" in out
+    code, _, err = _run(capsys, "bench", "--methods", "ar")
+    assert code == 2 and "--questions and --out" in err
+
+
+def test_calibrate_writes_a_curve_that_budget_auto_reads(capsys, model_dir, tmp_path):
+    out = tmp_path / "curve.json"
+    code, printed, _ = _run(capsys, "calibrate", "--model", model_dir, "--max-tokens", "4", "--context", "8",
+                            "--repeats", "1", "--out", str(out))
+    assert code == 0 and "| 4 |" in printed and out.is_file()
+    saved = json.loads(out.read_text())
+    assert saved["magic"] == "hierspec-cost-curve" and saved["sizes"] == [1, 2, 3, 4]
+    code, _, err = _run(capsys, "calibrate", "--model", model_dir, "--repeats", "0")
+    assert code == 2 and "--repeats" in err

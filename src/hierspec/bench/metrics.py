@@ -26,10 +26,43 @@ class QuestionRun:
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     won_by_source: dict[str, int] = field(default_factory=dict)
     drafter_report: dict = field(default_factory=dict)
+    turns: list[dict] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
         return len(self.token_ids)
+
+
+def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRun:
+    """One question's turns as one run: counts and times add up, token ids concatenate; ``turns`` keeps each turn's
+    prompt ids, tokens, text, time and steps (Spec-Bench answers list them per turn)."""
+    windows = [w for r in runs for w in r.drafter_report.get("windows", [])]
+    report: dict = {}
+    for r in runs:
+        for key, value in r.drafter_report.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith(("first_", "middle_")):
+                report[key] = report.get(key, 0) + value
+    if windows:
+        report["windows"] = windows
+    return QuestionRun(
+        token_ids=[t for r in runs for t in r.token_ids], text=runs[-1].text,
+        wall_time=sum(r.wall_time for r in runs), accept_lengths=[n for r in runs for n in r.accept_lengths],
+        drafted=sum(r.drafted for r in runs), accepted=sum(r.accepted for r in runs),
+        draft_time=sum(r.draft_time for r in runs), verify_time=sum(r.verify_time for r in runs),
+        accepted_by_source=_sum_dicts(r.accepted_by_source for r in runs),
+        drafted_by_source=_sum_dicts(r.drafted_by_source for r in runs),
+        won_by_source=_sum_dicts(r.won_by_source for r in runs), drafter_report=report,
+        turns=[{"prompt_ids": p, "token_ids": r.token_ids, "text": r.text, "wall_time": r.wall_time,
+                "steps": len(r.accept_lengths)} for r, p in zip(runs, prompts)],
+    )
+
+
+def _sum_dicts(dicts) -> dict[str, int]:
+    total: dict[str, int] = defaultdict(int)
+    for d in dicts:
+        for key, value in d.items():
+            total[key] += value
+    return dict(total)
 
 
 @dataclass

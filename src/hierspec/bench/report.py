@@ -11,7 +11,7 @@ from hierspec.bench.metrics import MethodRecord
 
 
 def write_answers(out_dir: Path, records: dict[str, MethodRecord], model_name: str) -> None:
-    """One ``answers-METHOD.jsonl`` per method, in Spec-Bench's answer format (first turn only)."""
+    """One ``answers-METHOD.jsonl`` per method, in Spec-Bench's answer format (one entry per answered turn)."""
     for label, record in records.items():
         path = out_dir / f"answers-{label.replace(':', '_').replace(',', '_').replace('=', '-')}.jsonl"
         with open(path, "w", encoding="utf-8") as handle:
@@ -23,10 +23,10 @@ def write_answers(out_dir: Path, records: dict[str, MethodRecord], model_name: s
                     "model_id": f"{model_name}/{label}",
                     "choices": [{
                         "index": 0,
-                        "turns": [run.text],
-                        "decoding_steps": [len(run.accept_lengths)],
-                        "new_tokens": [run.new_tokens],
-                        "wall_time": [run.wall_time],
+                        "turns": [t["text"] for t in run.turns] or [run.text],
+                        "decoding_steps": [t["steps"] for t in run.turns] or [len(run.accept_lengths)],
+                        "new_tokens": [len(t["token_ids"]) for t in run.turns] or [run.new_tokens],
+                        "wall_time": [t["wall_time"] for t in run.turns] or [run.wall_time],
                         "accept_lengths": run.accept_lengths,
                     }],
                     "tstamp": time.time(),
@@ -60,8 +60,9 @@ def write_report(path: Path, summary: dict) -> None:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, m in methods.items():
+        mat = f"{m['mat']:.2f}" if m["target_forwards"] else "n/a"  # transformers' peers report no forwards
         lines.append(
-            f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {m['mat']:.2f} | "
+            f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {mat} | "
             f"{100 * m['acceptance_rate']:.1f}% | {m.get('sigma', 0.0):.2f} | {m.get('eta', 0.0):.2f} | "
             f"{100 * m['draft_time_share']:.1f}% | {m['identical_to_ar']:.2f} |"
         )
@@ -81,6 +82,19 @@ def write_report(path: Path, summary: dict) -> None:
             for source, c in sources.items():
                 lines.append(f"| {label} | {source} | {c['drafted']} | {c['accepted']} | "
                              f"{100 * c['acceptance_rate']:.1f}% | {c['steps_won']} ({100 * c['won_share']:.1f}%) |")
+    spread = summary.get("seeds")
+    if spread:
+        seeds = list(next(iter(spread.values()))["speedups"])
+        lines += ["", "## Speedup per sampling seed", "", "| method | " + " | ".join(f"seed {x}" for x in seeds)
+                  + " | mean ± std | min – max |", "|---|" + "---:|" * (len(seeds) + 2)]
+        for label, sp in spread.items():
+            cells = [f"{sp['speedups'][x]:.3f}" for x in seeds]
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {sp['mean']:.3f} ± {sp['std']:.3f} | "
+                         f"{sp['min']:.3f} – {sp['max']:.3f} |")
+    plots = [name for name in ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png")
+             if (path.parent / name).exists()]
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots]
     leveled = [(label, m["levels"]) for label, m in methods.items() if m.get("levels")]
     if leveled:
         lines += ["", "## Draft-model levels", "",
@@ -98,7 +112,9 @@ def write_report(path: Path, summary: dict) -> None:
     if not divergences:
         lines.append("None: every method produced `ar`'s tokens on every question.")
     else:
-        lines += ["| method | question | first differing position | top-2 logit gap there |", "|---|---|---:|---:|"]
+        lines += ["| method | question | turn | first differing position | top-2 logit gap there |",
+                  "|---|---|---:|---:|---:|"]
         for d in divergences:
-            lines.append(f"| {d['method']} | {d['question_id']} | {d['position']} | {d['top2_gap']:.4f} |")
+            lines.append(f"| {d['method']} | {d['question_id']} | {d.get('turn', 1)} | {d['position']} | "
+                         f"{d['top2_gap']:.4f} |")
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hierspec.bench.metrics import MethodRecord, QuestionRun, explain_divergence, summarize
+from hierspec.bench.metrics import MethodRecord, QuestionRun, explain_divergence, merge_turns, summarize
+from hierspec.bench.plots import write_plots
 from hierspec.bench.questions import Question, load_questions, select_questions
 from hierspec.bench.report import write_answers, write_report
 from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
@@ -28,7 +29,7 @@ from hierspec.target import TargetModel, load_model
 log = logging.getLogger(__name__)
 
 BASELINE = "ar"
-HF_METHODS = ("hf-ar",)
+HF_METHODS = ("hf-ar", "hf-pld", "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,13 @@ class BenchConfig:
         max_draft_tokens: draft budget per forward (``None``: the generation default).
         warmup: untimed generations per method before timing.
         datastores: datastore directories for the methods that use them.
-        sampling: greedy (the default) or sampling settings; a sampling run seeds every generation with
-            ``sampling.seed`` (0 when unset) so all methods see the same random stream.
+        sampling: greedy (the default) or sampling settings.
+        sampling_seeds: a sampling run answers every question once per seed (all methods with the same seed);
+            ``summary["seeds"]`` gives each method's speedup per seed with its mean and spread.
         draft_model / middle_model / self_verify: defaults for ``sd`` and ``hsddw`` (``--draft-model`` …).
+        first_turn_only: answer only each question's first turn (default: every turn, each later turn seeing the
+            method's own earlier answers, as Spec-Bench does for MT-Bench).
+        subset_seed: pick the subset at random with this seed instead of in file order.
     """
 
     questions: str
@@ -62,6 +67,9 @@ class BenchConfig:
     draft_model: str | None = None
     middle_model: str | None = None
     self_verify: bool = False
+    first_turn_only: bool = False
+    subset_seed: int | None = None
+    sampling_seeds: tuple[int, ...] = (0,)
 
 
 class HierspecRunner:
@@ -76,8 +84,8 @@ class HierspecRunner:
     def describe(self) -> dict:
         return self.decoder.drafter.describe()
 
-    def run(self, prompt_ids: list[int]) -> QuestionRun:
-        result = self.decoder.generate(prompt_ids, self.config)
+    def run(self, prompt_ids: list[int], seed: int | None = None) -> QuestionRun:
+        result = self.decoder.generate(prompt_ids, _with_seed(self.config, seed))
         s = result.stats
         return QuestionRun(
             token_ids=result.token_ids, text=result.text, wall_time=s.total_time, accept_lengths=s.accept_lengths,
@@ -88,19 +96,23 @@ class HierspecRunner:
 
 
 class HfGenerateRunner:
-    """transformers' own ``model.generate``, the reference for hierspec's plain path (greedy, or sampling with the
-    same temperature / top-p / top-k, seeded by ``torch.manual_seed``)."""
+    """transformers' own ``model.generate`` (greedy, or sampling with the same temperature / top-p / top-k, seeded
+    by ``torch.manual_seed``): ``hf-ar`` plain, ``hf-pld`` with ``prompt_lookup_num_tokens=10``, ``hf-assisted``
+    with the draft model as ``assistant_model``. transformers does not report its forwards, so the peer
+    speculative baselines have no MAT (their accept lengths are left empty)."""
 
-    def __init__(self, model: TargetModel, config: GenerationConfig) -> None:
-        self.label = "hf-ar"
+    def __init__(self, model: TargetModel, config: GenerationConfig, label: str = "hf-ar",
+                 options: dict | None = None) -> None:
+        self.label = label
         self.model = model
         self.config = config
+        self.options = options or {}
 
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int]) -> QuestionRun:
+    def run(self, prompt_ids: list[int], seed: int | None = None) -> QuestionRun:
         target = self.model
         input_ids = torch.tensor([prompt_ids], device=target.device)
-        sampling = self.config.sampling
+        sampling = _with_seed(self.config, seed).sampling
         options = {"do_sample": False} if sampling.greedy else {
             "do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p,
             "top_k": sampling.top_k}  # 0 disables top-k, overriding generation_config defaults
@@ -109,13 +121,31 @@ class HfGenerateRunner:
         start = time.perf_counter()
         output = target.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.config.max_new_tokens,
-            **options, eos_token_id=sorted(target.eos_token_ids) or None,
+            **options, **self.options, eos_token_id=sorted(target.eos_token_ids) or None,
             pad_token_id=target.tokenizer.pad_token_id or next(iter(target.eos_token_ids), 0),
         )
         target.synchronize()
         wall = time.perf_counter() - start
         new = output[0, len(prompt_ids):].tolist()
-        return QuestionRun(token_ids=new, text=target.decode(new), wall_time=wall, accept_lengths=[1] * len(new))
+        steps = [1] * len(new) if not self.options else []
+        return QuestionRun(token_ids=new, text=target.decode(new), wall_time=wall, accept_lengths=steps)
+
+
+def _hf_runner(label: str, model: TargetModel, config: GenerationConfig, context: DrafterContext):
+    if label == "hf-pld":
+        return HfGenerateRunner(model, config, label, {"prompt_lookup_num_tokens": 10})
+    if label == "hf-assisted":
+        if not context.draft_model:
+            raise InputError("hf-assisted needs a draft model: pass --draft-model (a model or self:K)")
+        assistant = context.load_draft_lm(context.draft_model, label).model.model
+        return HfGenerateRunner(model, config, label, {"assistant_model": assistant})
+    return HfGenerateRunner(model, config)
+
+
+def _with_seed(config: GenerationConfig, seed: int | None) -> GenerationConfig:
+    if seed is None or config.sampling.greedy:
+        return config
+    return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, seed=seed))
 
 
 def make_runners(model: TargetModel, methods: tuple[str, ...], config: GenerationConfig,
@@ -129,7 +159,7 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
     runners = []
     for text in specs:
         if text in HF_METHODS:
-            runners.append(HfGenerateRunner(model, config))
+            runners.append(_hf_runner(text, model, config, context or DrafterContext(model)))
         else:
             runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context or DrafterContext(model)))
     return runners
@@ -155,10 +185,11 @@ def environment(model: TargetModel) -> dict:
 
 def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel | None = None) -> dict:
     """Run the benchmark, write answers, ``summary.json`` and ``report.md``, and return the summary."""
-    questions = select_questions(load_questions(config.questions), config.per_category, config.limit)
+    questions = select_questions(load_questions(config.questions), config.per_category, config.limit,
+                                 config.subset_seed)
     sampling = config.sampling
-    if not sampling.greedy and sampling.seed is None:
-        sampling = dataclasses.replace(sampling, seed=0)
+    if not sampling.greedy:
+        sampling = dataclasses.replace(sampling, seed=config.sampling_seeds[0])
     gen_config = GenerationConfig(
         max_new_tokens=config.max_new_tokens, sampling=sampling,
         **({} if config.max_draft_tokens is None else {"max_draft_tokens": config.max_draft_tokens}),
@@ -171,27 +202,82 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    prompts = [model.encode_prompt(q.turns[0]) for q in questions]
-    _warm_up(runners, prompts[0], config.warmup)
-    records = {r.label: MethodRecord(r.label) for r in runners}
-    for index, (question, prompt_ids) in enumerate(tqdm(list(zip(questions, prompts)), desc="questions", unit="q")):
+    _warm_up(runners, _first_prompt(model, questions[0]), config.warmup)
+    seeds = (None,) if sampling.greedy else config.sampling_seeds
+    by_seed = {seed: {r.label: MethodRecord(r.label) for r in runners} for seed in seeds}
+    for index, question in enumerate(tqdm(questions, desc="questions", unit="q")):
         # Rotate the order so that no method always runs first after a cold question start.
         shift = index % len(runners)
-        for runner in runners[shift:] + runners[:shift]:
-            records[runner.label].add(question, runner.run(prompt_ids))
+        for seed in seeds:
+            for runner in runners[shift:] + runners[:shift]:
+                by_seed[seed][runner.label].add(
+                    question, run_turns(runner, model, question, config.first_turn_only, seed))
+    records = _pool(by_seed)
 
-    divergences = _explain_divergences(model, questions, prompts, records) if sampling.greedy else []
+    divergences = _explain_divergences(model, questions, records) if sampling.greedy else []
     summary = summarize(records, BASELINE, model_name=model.name, max_new_tokens=config.max_new_tokens)
+    if len(seeds) > 1:
+        summary["seeds"] = seed_spread(by_seed, config.max_new_tokens)
     summary.update(environment(model))
     summary["questions_file"] = str(config.questions)
     summary["num_questions"] = len(questions)
-    summary["sampling"] = dataclasses.asdict(sampling)
+    summary["sampling"] = {**dataclasses.asdict(sampling), **({} if sampling.greedy else
+                                                               {"seeds": list(config.sampling_seeds)})}
+    summary["first_turn_only"] = config.first_turn_only
     summary["divergences"] = divergences
     summary["drafters"] = {r.label: r.describe() for r in runners if hasattr(r, "describe")}
     write_answers(out_dir, records, model.name)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_plots(out_dir, summary, records)
     write_report(out_dir / "report.md", summary)
     return summary
+
+
+def _first_prompt(model: TargetModel, question: Question) -> list[int]:
+    return model.encode_prompt(question.turns[0], raw=question.raw)
+
+
+def _pool(by_seed: dict) -> dict[str, MethodRecord]:
+    pooled: dict[str, MethodRecord] = {}
+    for records in by_seed.values():
+        for label, record in records.items():
+            target = pooled.setdefault(label, MethodRecord(label))
+            for question, run in zip(record.questions, record.runs):
+                target.add(question, run)
+    return pooled
+
+
+def seed_spread(by_seed: dict, max_new_tokens: int) -> dict:
+    """Speedup of every method under each seed, with mean, standard deviation, min and max over the seeds."""
+    per_seed = {seed: summarize(records, BASELINE, model_name="", max_new_tokens=max_new_tokens)["methods"]
+                for seed, records in by_seed.items()}
+    spread = {}
+    for label in next(iter(per_seed.values())):
+        values = [per_seed[seed][label]["speedup"] for seed in per_seed]
+        mean = sum(values) / len(values)
+        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else 0.0
+        spread[label] = {"speedups": dict(zip(map(str, per_seed), values)), "mean": mean, "std": std,
+                         "min": min(values), "max": max(values)}
+    return spread
+
+
+def run_turns(runner, model: TargetModel, question: Question, first_turn_only: bool = False,
+              seed: int | None = None) -> QuestionRun:
+    """Answer a question's turns in order; each later turn's prompt holds the earlier turns and this runner's own
+    answers to them (the chat template renders the conversation)."""
+    if question.raw or first_turn_only or len(question.turns) == 1:
+        prompt = _first_prompt(model, question)
+        return merge_turns([runner.run(prompt, seed)], [prompt])
+    messages: list[dict] = []
+    runs, prompts = [], []
+    for turn in question.turns:
+        messages.append({"role": "user", "content": turn})
+        prompt = model.encode_messages(messages)
+        run = runner.run(prompt, seed)
+        messages.append({"role": "assistant", "content": run.text})
+        runs.append(run)
+        prompts.append(prompt)
+    return merge_turns(runs, prompts)
 
 
 def _warm_up(runners: list, prompt_ids: list[int], count: int) -> None:
@@ -200,17 +286,17 @@ def _warm_up(runners: list, prompt_ids: list[int], count: int) -> None:
             runner.run(prompt_ids)
 
 
-def _explain_divergences(
-    model: TargetModel, questions: list[Question], prompts: list[list[int]], records: dict[str, MethodRecord]
-) -> list[dict]:
+def _explain_divergences(model: TargetModel, questions: list[Question], records: dict[str, MethodRecord]) -> list[dict]:
     baseline = records[BASELINE]
     found = []
     for label, record in records.items():
         if label == BASELINE:
             continue
         for i, question in enumerate(questions):
-            reference, other = baseline.runs[i].token_ids, record.runs[i].token_ids
-            if reference != other:
-                found.append({"method": label, "question_id": question.question_id,
-                              **explain_divergence(model, prompts[i], reference, other)})
+            for turn, (ref, other) in enumerate(zip(baseline.runs[i].turns, record.runs[i].turns)):
+                if ref["token_ids"] != other["token_ids"]:
+                    found.append({"method": label, "question_id": question.question_id, "turn": turn + 1,
+                                  **explain_divergence(model, ref["prompt_ids"], ref["token_ids"],
+                                                       other["token_ids"])})
+                    break  # later turns see different histories
     return found

@@ -1,0 +1,119 @@
+"""The target's verification cost curve on this machine: ``hierspec calibrate`` measures it, drafters read it.
+
+``measure_cost_curve`` times one verification forward of ``K`` tree tokens (root included) on top of a fixed context
+for a range of ``K``. The curve is saved as JSON (magic, version, the model's identity and the settings it was
+measured with) under ``~/.cache/hierspec/calibration/``, one file per model, device, dtype and thread count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from hierspec.errors import InputError
+from hierspec.loading import user_cache_dir
+from hierspec.target import TargetModel
+from hierspec.tree import build_tree
+
+MAGIC = "hierspec-cost-curve"
+VERSION = 1
+DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Median milliseconds of one verification forward of ``sizes[i]`` tree tokens (root included)."""
+
+    sizes: tuple[int, ...]
+    ms: tuple[float, ...]
+    identity: dict
+
+    def cost(self, tokens: int) -> float:
+        """Interpolated cost of verifying ``tokens`` tree tokens (clamped to the measured range)."""
+        return float(np.interp(tokens, self.sizes, self.ms))
+
+    def to_json(self) -> dict:
+        return {"magic": MAGIC, "version": VERSION, "identity": self.identity,
+                "sizes": list(self.sizes), "ms": list(self.ms)}
+
+    @classmethod
+    def from_json(cls, data: dict, where: str) -> CostCurve:
+        if not isinstance(data, dict) or data.get("magic") != MAGIC:
+            raise InputError(f"{where} is not a hierspec cost curve")
+        if data.get("version") != VERSION:
+            raise InputError(f"{where} has cost-curve version {data.get('version')}; this hierspec reads {VERSION}")
+        sizes, ms = tuple(int(x) for x in data["sizes"]), tuple(float(x) for x in data["ms"])
+        if len(sizes) != len(ms) or not sizes or list(sizes) != sorted(set(sizes)):
+            raise InputError(f"{where} holds a malformed cost curve")
+        return cls(sizes, ms, dict(data.get("identity", {})))
+
+
+def machine_identity(target: TargetModel) -> dict:
+    """What a cost curve depends on: the model, device, dtype and CPU threads."""
+    return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": str(target.device),
+            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
+
+
+def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
+    """Where the cost curve of this model on this machine setting lives."""
+    ident = machine_identity(target)
+    model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
+    name = f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}.json"
+    return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name
+
+
+def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
+                       repeats: int = 5, seed: int = 0) -> CostCurve:
+    """Time verification forwards of each size over a random ``context``-token prefix (median of ``repeats``)."""
+    if not sizes or min(sizes) < 1:
+        raise InputError("cost-curve sizes must be >= 1")
+    if context + max(sizes) >= target.max_context:
+        raise InputError(f"context {context} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, target.vocab_size, size=context).tolist()
+    medians = []
+    for size in tqdm(sorted(set(sizes)), desc="calibrating", unit="size"):
+        tree = build_tree(ids[-1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            cache = target.new_cache()
+            target.prefill(cache, ids[:-1])
+            target.synchronize()
+            start = time.perf_counter()
+            target.forward_tree(cache, tree)
+            target.synchronize()
+            times.append(1000 * (time.perf_counter() - start))
+        medians.append(statistics.median(times[1:]))
+    return CostCurve(tuple(sorted(set(sizes))), tuple(medians), machine_identity(target))
+
+
+def save_curve(curve: CostCurve, path: Path) -> None:
+    """Write atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(curve.to_json(), handle, indent=2)
+    os.replace(tmp, path)
+
+
+def load_curve(path: str | Path) -> CostCurve:
+    """Read a saved cost curve; a clear error when missing or not one."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"no cost curve at {path}: run `hierspec calibrate` first (same model, device, dtype and "
+                         "--threads)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path} is not valid JSON: {exc}") from None
+    return CostCurve.from_json(data, str(path))
