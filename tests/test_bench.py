@@ -72,6 +72,25 @@ def test_draft_model_levels_from_drafter_reports():
                       "first": {"drafted": 10, "accepted": 4, "sigma": pytest.approx(0.6)}}
 
 
+def test_dense_retrieval_figures_and_report(tmp_path):
+    from hierspec.bench.report import write_report
+
+    questions = [_q(1, "qa"), _q(2, "qa")]
+    ar, dense = MethodRecord("ar"), MethodRecord("dense")
+    for q in questions:
+        ar.add(q, QuestionRun([1] * 4, "", 1.0, [1] * 4))
+    dense.add(questions[0], QuestionRun([1] * 4, "", 0.5, [2, 2], drafted=4, accepted=2, drafter_report={
+        "dense_queries": 2, "dense_hits": 1, "dense_search_s": 0.004}))
+    dense.add(questions[1], QuestionRun([1] * 4, "", 0.8, [1, 1, 1, 1], drafter_report={
+        "dense_queries": 4, "dense_hits": 0, "dense_search_s": 0.002}))
+    summary = summarize({"ar": ar, "dense": dense}, "ar", model_name="m", max_new_tokens=4)
+    figures = summary["methods"]["dense"]["dense"]
+    assert figures == {"queries": 6, "hit_rate": pytest.approx(1 / 6), "search_ms": pytest.approx(1.0)}
+    assert "levels" not in summary["methods"]["dense"] and "dense" not in summary["methods"]["ar"]
+    write_report(tmp_path / "report.md", summary)
+    assert "| dense | 6 | 16.7% | 1.00 |" in (tmp_path / "report.md").read_text()
+
+
 def test_question_loading_and_selection(tmp_path):
     path = tmp_path / "q.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [f"t{i}", "second"]}

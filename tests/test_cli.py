@@ -208,6 +208,34 @@ def test_model_store_errors(capsys, model_dir, model_store_dir, tmp_path):
     assert code == 2 and "use each of the letters" in err
 
 
+def test_dense_store_from_a_model_store_and_dense_methods_match_ar(capsys, model_dir, model_store_dir, tmp_path):
+    out = tmp_path / "dense"
+    code, printed, _ = _run(capsys, "datastore", "build", "--kind", "dense", "--model", model_dir, "--input",
+                            model_store_dir, "--out", str(out), "--pca-dim", "8", "--next-tokens", "5",
+                            "--index", "flat")
+    assert code == 0 and "built dense store" in printed
+    code, printed, _ = _run(capsys, "datastore", "info", str(out))
+    info = json.loads(printed)
+    assert info["kind"] == "dense" and info["pca_dim"] == 8 and info["next_tokens"] == 5 and info["keys"] > 0
+    assert info["model"]["fingerprint"] and info["sources"][0].endswith("model-store")
+    code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", "ar",
+                            "--max-new-tokens", "10", "--json")
+    reference = json.loads(printed)["token_ids"]
+    for method in ("dense", "dense:num_drafts=1,draft_len=3", "hd:order=cdm,lead=cd"):
+        code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", method,
+                                "--datastore", str(out), "--datastore", model_store_dir, "--max-new-tokens", "10",
+                                "--json")
+        result = json.loads(printed)
+        assert code == 0 and result["token_ids"] == reference
+        assert result["stats"]["drafter"]["dense_queries"] > 0
+    code, _, err = _run(capsys, "generate", "w1", "--model", model_dir, "--raw", "--method", "dense")
+    assert code == 2 and "needs a 'dense' datastore" in err
+    other = _model_with_another_tokenizer(tmp_path)
+    code, _, err = _run(capsys, "generate", "w1", "--model", str(other), "--raw", "--method", "dense",
+                        "--datastore", str(out))
+    assert code == 2 and "was built with tokenizer" in err
+
+
 def test_sd_and_hsddw_from_the_command_line_match_ar(capsys, model_dir):
     outputs = set()
     for args in (["--method", "ar"], ["--method", "sd", "--draft-model", "self:1", "--self-verify"],

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     store = sub.add_parser("datastore", help="build or inspect draft datastores")
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="build a datastore from a corpus")
-    build.add_argument("--kind", default="suffix", help="store kind: suffix (a corpus) or model (the model's answers)")
+    build.add_argument("--kind", default="suffix",
+                       help="store kind: suffix (a corpus), model (the model's answers) or dense (hidden states)")
     build.add_argument("--input", action="append", default=[], help="text file, .jsonl, ShareGPT .json or directory")
     build.add_argument("--format", default="auto", help="auto, text, jsonl, sharegpt or code (applies to --input)")
     build.add_argument("--preset", action="append", default=[],
@@ -116,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_store.add_argument("--m", type=int, default=None, dest="value_len", help="value length (default 4)")
     model_store.add_argument("--top-k", type=int, default=None, help="most frequent n-grams kept (default 100000)")
     model_store.add_argument("--method", default=None, help="decoding method used to answer (default pld)")
+    dense = build.add_argument_group("dense store (--kind dense; --input also takes a model store's directory)")
+    dense.add_argument("--pca-dim", type=int, default=64, help="PCA dimensions of the keys (default 64)")
+    dense.add_argument("--next-tokens", type=int, default=20, help="tokens stored after each key (default 20)")
+    dense.add_argument("--index", default="hnsw", choices=["hnsw", "ivf", "flat"], help="FAISS index (default hnsw)")
+    dense.add_argument("--window", type=int, default=512, help="most tokens per forward window (default 512)")
+    dense.add_argument("--max-keys", type=int, default=None, help="stop after this many keys")
+    dense.add_argument("--sample", type=int, default=1_000_000,
+                       help="most vectors used to fit the normalisation and PCA (default 1000000)")
     _add_model_options(build)
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
@@ -297,6 +306,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     if args.datastore_command == "info":
         print(json.dumps(store_build.info(args.directory), indent=2))
         return 0
+    from hierspec.datastore.dense import DenseBuildConfig
     from hierspec.datastore.suffix import SuffixBuildConfig
 
     if args.tokenizer and args.model and args.tokenizer != args.model:
@@ -309,6 +319,8 @@ def cmd_datastore(args: argparse.Namespace) -> int:
         presets=tuple(args.preset), model=_model_config(args), overwrite=args.overwrite, suffix=suffix,
         chat_template=args.chat_template, prompts=tuple(args.prompts),
         exclude_questions=tuple(args.exclude_questions), model_store=_model_store_config(args),
+        dense=DenseBuildConfig(pca_dim=args.pca_dim, next_tokens=args.next_tokens, index=args.index,
+                               window=args.window, max_keys=args.max_keys, sample=args.sample),
     )
     result = store_build.build(request)
     for header in result.values() if "default" in args.preset else [result]:
@@ -329,6 +341,10 @@ def _model_store_config(args: argparse.Namespace):
 
 
 def _describe_store(header: dict) -> str:
+    if header.get("kind") == "dense":
+        return (f"built dense store: {header['keys']} keys of {header['pca_dim']} dims "
+                f"({header['explained_variance']:.0%} of the variance), {header['index']['type']} index, "
+                f"{header['next_tokens']} next tokens each, {header['build']['seconds']:.1f} s")
     if header.get("kind") == "model":
         return (f"built model store: {header['num_grams']} {header['key_len']}+{header['value_len']}-grams from "
                 f"{header['generated_tokens']} generated tokens ({header['num_prompts']} prompts, "

@@ -167,9 +167,12 @@ class SpeculativeDecoder:
         eos = target.eos_token_ids if config.stop_at_eos else frozenset()
 
         cache = target.new_cache()
-        target.prefill(cache, prompt_ids[:-1])
+        want_hidden = drafter.wants_hidden
+        hidden = target.prefill(cache, prompt_ids[:-1], want_hidden=want_hidden)
         drafter.prepare(config.sampling, generator)
         drafter.begin(context.view())
+        if hidden is not None:
+            drafter.observe_hidden(_as_numpy(hidden))
         target.synchronize()
         stats.prefill_time = time.perf_counter() - start
         try:
@@ -179,7 +182,7 @@ class SpeculativeDecoder:
                 tree = drafter.propose(context.view(), max(0, budget))
                 t1 = time.perf_counter()
                 past = len(context) - 1
-                output = target.forward_tree(cache, tree)
+                output = target.forward_tree(cache, tree, want_hidden=want_hidden)
                 verdict = verify(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
                 target.keep_path(cache, past, tree.size, (0, *verdict.path))
                 target.synchronize()
@@ -187,6 +190,9 @@ class SpeculativeDecoder:
                 new = _truncate(verdict.accepted_tokens, limit - stats.new_tokens, eos)
                 context.extend(new)
                 drafter.observe(verdict, context.view())
+                if want_hidden:
+                    last_kept = verdict.path[-1] if verdict.path else 0
+                    drafter.observe_hidden(_as_numpy(output.hidden[last_kept]))
                 stats.record_step(verdict, len(new))
                 stats.new_tokens += len(new)
                 stats.draft_time += (t1 - t0) + (time.perf_counter() - t2)
@@ -207,6 +213,10 @@ def _truncate(tokens: list[int], room: int, eos: frozenset[int]) -> list[int]:
         if token in eos:
             return tokens[: i + 1]
     return tokens
+
+
+def _as_numpy(hidden: torch.Tensor) -> np.ndarray:
+    return hidden.detach().to("cpu", torch.float32).numpy()
 
 
 def _make_generator(seed: int | None) -> torch.Generator:

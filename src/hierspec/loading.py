@@ -163,6 +163,31 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob).hexdigest()[:32]
 
 
+# Config fields that name where or how a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash"})
+
+
+def model_fingerprint(model, samples_per_tensor: int = 64) -> str:
+    """Hash of a model's architecture and weights, stored in the headers of stores of its hidden states.
+
+    Every parameter contributes its name, shape and ``samples_per_tensor`` evenly strided values rounded to
+    bfloat16, so the same weights loaded in float32, bfloat16 or on another device give the same fingerprint while
+    another checkpoint of the same architecture does not. Hashing samples keeps this fast for large models.
+    """
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            if not flat.is_floating_point() or flat.numel() == 0:
+                continue
+            step = max(1, flat.numel() // samples_per_tensor)
+            sample = flat[::step][:samples_per_tensor].to("cpu", torch.bfloat16).to(torch.float32)
+            digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
 def load_tokenizer(config: ModelConfig):
     """Load only the tokenizer of a model spec: ``(tokenizer, display_name)``."""
     from transformers import AutoTokenizer

@@ -153,22 +153,42 @@ def _make_rest(spec: MethodSpec, context: DrafterContext) -> Drafter:
 def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
     from hierspec.datastore.ngram import NgramTable
     from hierspec.datastore.suffix import SuffixStore
+    from hierspec.drafters.dense import DenseConfig, DenseRetriever
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
 
     config = _config_from_options(HierarchyConfig, spec.options, spec.name)
     fingerprint, name = context.fingerprint()
     model_dir = context.optional_datastore("model") if "m" in config.order else None
     suffix_dir = context.optional_datastore("suffix") if "s" in config.order else None
-    model = statistics = None
+    dense_dir = context.optional_datastore("dense") if "d" in config.order else None
+    model = statistics = dense = None
     if model_dir:
         model = ModelDatabase(NgramTable.open(model_dir, fingerprint, name, top_k=config.top_k), config.min_count,
                               config.m_min_share)
     if suffix_dir:
         statistics = StatisticsDatabase(SuffixStore.open(suffix_dir, fingerprint, name), config.m,
                                         n_min=config.s_n_min, k=config.s_k, min_share=config.s_min_share)
-    drafter = HierarchyDrafter(config, model, statistics)
+    if dense_dir:
+        dense = DenseRetriever(_open_dense_store(dense_dir, context, spec),
+                               DenseConfig(k=config.d_k, min_score=config.d_min_score))
+    drafter = HierarchyDrafter(config, model, statistics, dense)
     log.info("hd reads %s", " > ".join(drafter.sources))
     return drafter
+
+
+def _open_dense_store(directory: str, context: DrafterContext, spec: MethodSpec):
+    from hierspec.datastore.dense import DenseStore
+
+    if context.target is None:
+        raise InputError(f"method {spec.name!r} needs the target model to read a dense store")
+    return DenseStore.open(directory, context.target)
+
+
+def _make_dense(spec: MethodSpec, context: DrafterContext) -> Drafter:
+    from hierspec.drafters.dense import DenseConfig, DenseDrafter
+
+    config = _config_from_options(DenseConfig, spec.options, spec.name)
+    return DenseDrafter(_open_dense_store(context.datastore("dense", spec.name), context, spec), config)
 
 
 def self_layers(spec: str, target) -> int:
@@ -260,6 +280,7 @@ METHODS: dict[str, Callable[[MethodSpec, DrafterContext], Drafter]] = {
     "pld": _make_pld,
     "rest": _make_rest,
     "hd": _make_hd,
+    "dense": _make_dense,
     "sd": _make_sd,
     "hsddw": _make_hsddw,
 }

@@ -19,7 +19,7 @@ from transformers.cache_utils import DynamicLayer
 
 from hierspec.config import ModelConfig
 from hierspec.errors import InputError, ModelLoadError
-from hierspec.loading import load_pretrained, tokenizer_fingerprint
+from hierspec.loading import load_pretrained, model_fingerprint, tokenizer_fingerprint
 from hierspec.tree import DraftTree, tree_attention_mask, tree_position_ids
 
 
@@ -104,18 +104,41 @@ class TargetModel:
         """Hash of the tokenizer's vocabulary and special tokens: datastores built with another tokenizer differ."""
         return tokenizer_fingerprint(self.tokenizer)
 
+    @functools.cached_property
+    def model_fingerprint(self) -> str:
+        """Hash of the architecture and weights: stores of hidden states built with another model differ."""
+        return model_fingerprint(self.model)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the last hidden state (the LM head's input)."""
+        return int(self.model.get_output_embeddings().weight.shape[1])
+
     # ----------------------------------------------------------------- forward passes
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for this model."""
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def prefill(self, cache: DynamicCache, ids: Sequence[int]) -> None:
-        """Run the model over ``ids`` to fill the cache (no logits are needed: the last prompt token is the root)."""
+    def prefill(self, cache: DynamicCache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:
+        """Run the model over ``ids`` to fill the cache (no logits are needed: the last prompt token is the root).
+
+        With ``want_hidden``, return the last hidden state of the last of ``ids`` (``None`` when ``ids`` is empty).
+        """
         if not ids:
-            return
+            return None
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=want_hidden)
+        return out.hidden_states[-1][0, -1] if want_hidden else None
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states ``[batch, length, hidden]`` of a batch of sequences (no cache), for building stores."""
+        out = self.model(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None
+                         else attention_mask.to(self.device), use_cache=False, output_hidden_states=True,
+                         logits_to_keep=1)
+        return out.hidden_states[-1]
 
     @torch.inference_mode()
     def forward_tree(self, cache: DynamicCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:

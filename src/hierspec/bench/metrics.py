@@ -40,7 +40,7 @@ def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRu
     report: dict = {}
     for r in runs:
         for key, value in r.drafter_report.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith(("first_", "middle_")):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith(("first_", "middle_", "dense_")):
                 report[key] = report.get(key, 0) + value
     if windows:
         report["windows"] = windows
@@ -102,8 +102,19 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
         "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
         "per_source": per_source(runs, forwards),
-        **({"levels": levels(runs)} if any(r.drafter_report for r in runs) else {}),
+        **({"levels": levels(runs)} if any("windows" in r.drafter_report or "first_drafted" in r.drafter_report
+                                           for r in runs) else {}),
+        **({"dense": dense_retrieval(runs)} if any("dense_queries" in r.drafter_report for r in runs) else {}),
     }
+
+
+def dense_retrieval(runs: list[QuestionRun]) -> dict:
+    """Dense retrieval figures from the drafters' reports: searches, the share that gave a draft, mean latency."""
+    queries = sum(r.drafter_report.get("dense_queries", 0) for r in runs)
+    hits = sum(r.drafter_report.get("dense_hits", 0) for r in runs)
+    seconds = sum(r.drafter_report.get("dense_search_s", 0.0) for r in runs)
+    return {"queries": queries, "hit_rate": hits / queries if queries else 0.0,
+            "search_ms": 1000 * seconds / queries if queries else 0.0}
 
 
 def levels(runs: list[QuestionRun]) -> dict:

@@ -107,6 +107,14 @@ def write_report(path: Path, summary: dict) -> None:
             cells = ([str(first["drafted"]), str(first["accepted"]), f"{first['sigma']:.2f}",
                       str(lv.get("middle_tokens", ""))] if first else ["", "", "", ""])
             lines.append(f"| {label} | {lv['mean_window']:.2f} | " + " | ".join(cells) + " |")
+    dense = [(label, m["dense"]) for label, m in methods.items() if m.get("dense")]
+    if dense:
+        lines += ["", "## Dense retrieval", "",
+                  "Searches of the dense store, the share that gave a draft (a neighbour starting with the target's "
+                  "next token, similar enough), and the mean search time (normalisation + FAISS + filtering).", "",
+                  "| method | searches | gave a draft | ms per search |", "|---|---:|---:|---:|"]
+        for label, d in dense:
+            lines.append(f"| {label} | {d['queries']} | {d['hit_rate']:.1%} | {d['search_ms']:.2f} |")
     divergences = summary.get("divergences", [])
     lines += ["", "## Outputs that differ from ar", ""]
     if not divergences:

@@ -8,21 +8,32 @@ from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
+import numpy as np
+
 from hierspec.config import ModelConfig
 from hierspec.datastore.corpus import iter_documents, preset_inputs
+from hierspec.datastore.dense import KIND as DENSE_KIND
+from hierspec.datastore.dense import DenseBuildConfig, DenseStore, TokenDocument, build_dense_store
 from hierspec.datastore.format import default_store_dir, read_header
-from hierspec.datastore.model_store import ModelStoreConfig, build_model_store, iter_prompts, select_prompts
+from hierspec.datastore.model_store import (
+    GENERATIONS_FILE,
+    ModelStoreConfig,
+    build_model_store,
+    iter_prompts,
+    select_prompts,
+)
 from hierspec.datastore.ngram import KIND as MODEL_KIND
 from hierspec.datastore.ngram import NgramTable
 from hierspec.datastore.suffix import KIND as SUFFIX_KIND
 from hierspec.datastore.suffix import SuffixBuildConfig, SuffixStore, build_suffix_store
 from hierspec.errors import InputError
+from hierspec.jsonl import iter_jsonl
 from hierspec.loading import load_tokenizer, tokenizer_fingerprint
 from hierspec.tree import root_only
 
 log = logging.getLogger(__name__)
 
-KINDS = (SUFFIX_KIND, MODEL_KIND)
+KINDS = (SUFFIX_KIND, MODEL_KIND, DENSE_KIND)
 #: what ``--preset default`` builds: the model store answers this many ShareGPT prompts (first user turns)
 DEFAULT_MODEL_STORE = ModelStoreConfig(max_new_tokens=128, limit=200)
 
@@ -32,7 +43,7 @@ class BuildRequest:
     """One datastore build.
 
     Attributes:
-        kind: store kind (``suffix`` or ``model``).
+        kind: store kind (``suffix``, ``model`` or ``dense``).
         out_dir: the directory to create (for ``--preset default``: the root holding ``suffix/`` and ``model/``;
             ``None`` = :func:`~hierspec.datastore.format.default_store_dir`).
         inputs: ``(path, format)`` pairs; formats as in :mod:`hierspec.datastore.corpus`.
@@ -46,6 +57,7 @@ class BuildRequest:
         exclude_questions: question files whose questions are kept out of the prompts (evaluation data).
         model_store: model-store builder settings (``None``: :class:`ModelStoreConfig` defaults, or
             :data:`DEFAULT_MODEL_STORE` for ``--preset default``).
+        dense: dense-store builder settings.
     """
 
     kind: str
@@ -59,6 +71,7 @@ class BuildRequest:
     prompts: tuple[str, ...] = ()
     exclude_questions: tuple[str, ...] = ()
     model_store: ModelStoreConfig | None = None
+    dense: DenseBuildConfig = DenseBuildConfig()
 
 
 def build(request: BuildRequest) -> dict:
@@ -71,19 +84,14 @@ def build(request: BuildRequest) -> dict:
         raise InputError("pass --out DIR (only --preset default has a default location)")
     if request.kind == MODEL_KIND:
         return build_model(request)
+    if request.kind == DENSE_KIND:
+        return build_dense(request)
     return build_suffix(request)
 
 
 def build_suffix(request: BuildRequest) -> dict:
     """A suffix-array store from the request's inputs and corpus presets."""
-    inputs = [(Path(p), f) for p, f in request.inputs]
-    for preset in request.presets:
-        inputs += preset_inputs(preset)
-    if not inputs:
-        raise InputError("nothing to index: pass --input PATH or --preset NAME")
-    for path, _ in inputs:
-        if not path.exists():
-            raise InputError(f"input not found: {path}")
+    inputs = _checked_inputs(request)
     tokenizer, name = load_tokenizer(request.model)
     documents = chain.from_iterable(iter_documents(path, fmt) for path, fmt in inputs)
     if request.chat_template:
@@ -92,6 +100,50 @@ def build_suffix(request: BuildRequest) -> dict:
         documents, tokenizer, name, tokenizer_fingerprint(tokenizer), request.out_dir, request.suffix,
         sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite,
     )
+
+
+def build_dense(request: BuildRequest) -> dict:
+    """A dense store of the target's hidden states over the request's inputs (model stores' generations included)."""
+    from hierspec.target import load_model
+
+    inputs = _checked_inputs(request)
+    target = load_model(config=request.model)
+    documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
+    return build_dense_store(target, documents, request.out_dir, request.dense,
+                             sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite)
+
+
+def token_documents(target, path: Path, fmt: str, chat_template: bool = False):
+    """Token documents of one input: a model store (its directory or ``generations.jsonl``) gives each answer
+    after its prompt in the chat template, only the answer indexed; other inputs are read as for a suffix store."""
+    generations = path / GENERATIONS_FILE if path.is_dir() and (path / GENERATIONS_FILE).is_file() else path
+    if generations.suffix == ".jsonl" and _holds_generations(generations):
+        for _, record in iter_jsonl(generations):
+            prompt = target.encode_prompt(record["prompt"])
+            yield TokenDocument(np.asarray(prompt + list(record["token_ids"]), dtype=np.int64), len(prompt) - 1)
+        return
+    render = assistant_turn_renderer(target.tokenizer) if chat_template else None
+    for text in iter_documents(path, fmt):
+        ids = target.tokenizer(render(text) if render else text, add_special_tokens=render is None)["input_ids"]
+        yield TokenDocument(np.asarray(ids, dtype=np.int64))
+
+
+def _holds_generations(path: Path) -> bool:
+    for _, record in iter_jsonl(path):
+        return isinstance(record, dict) and "token_ids" in record and isinstance(record.get("prompt"), str)
+    return False
+
+
+def _checked_inputs(request: BuildRequest) -> list[tuple[Path, str]]:
+    inputs = [(Path(p), f) for p, f in request.inputs]
+    for preset in request.presets:
+        inputs += preset_inputs(preset)
+    if not inputs:
+        raise InputError("nothing to index: pass --input PATH or --preset NAME")
+    for path, _ in inputs:
+        if not path.exists():
+            raise InputError(f"input not found: {path}")
+    return inputs
 
 
 def build_model(request: BuildRequest) -> dict:
@@ -177,4 +229,6 @@ def info(directory: str) -> dict:
         return SuffixStore.open(directory).info()
     if header.get("kind") == MODEL_KIND:
         return NgramTable.open(directory).info()
+    if header.get("kind") == DENSE_KIND:
+        return DenseStore.open(directory).info()
     return header

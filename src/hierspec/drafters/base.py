@@ -24,6 +24,8 @@ class Drafter(ABC):
     name: str = "drafter"
     #: how many of the target's top predictions per tree node the drafter wants in each verdict (1 = argmax only)
     verifier_topk: int = 1
+    #: whether the loop should hand the target's last hidden states to :meth:`observe_hidden` (dense retrieval)
+    wants_hidden: bool = False
 
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         """Called before :meth:`begin` with the generation's sampling settings and random source (drafters that
@@ -38,6 +40,11 @@ class Drafter(ABC):
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
+
+    def observe_hidden(self, hidden: np.ndarray) -> None:
+        """Called when :attr:`wants_hidden` is set, after the prefill and after every :meth:`observe`, with the
+        target's last hidden state (before the LM head, float32) at the position just before the context's last
+        token: the state whose prediction that token is. It comes from forwards that ran anyway."""
 
     def report(self) -> dict:
         """The drafter's own counters for the generation that just ended (empty by default)."""

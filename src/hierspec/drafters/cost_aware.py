@@ -41,6 +41,13 @@ class CostAwareDrafter(Drafter):
     def verifier_topk(self) -> int:
         return self.inner.verifier_topk
 
+    @property
+    def wants_hidden(self) -> bool:
+        return self.inner.wants_hidden
+
+    def observe_hidden(self, hidden: np.ndarray) -> None:
+        self.inner.observe_hidden(hidden)
+
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.inner.prepare(sampling, generator)
 

@@ -6,6 +6,9 @@
   target's own past generations.
 * ``s`` — statistics-dependent (:class:`~hierspec.datastore.suffix.SuffixStore`): continuations of the context's
   longest suffix found in a large corpus.
+* ``d`` — optional fourth source, dense retrieval (:class:`~hierspec.drafters.dense.DenseRetriever`, DReSD): next
+  tokens of the nearest neighbours of the target's hidden state. Not in the default order; add it, e.g.
+  ``order=cdms``.
 
 Each step reads the databases in ``order`` until ``n`` draft sequences are collected and merges them into one tree,
 each node tagged with the database that proposed it.
@@ -24,10 +27,11 @@ from hierspec.datastore.ngram import NgramTable
 from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.context_db import ContextDB
+from hierspec.drafters.dense import DenseRetriever
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
-SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics"}
+SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class HierarchyConfig:
         l: key length of the context database (the model store's key length is fixed when it is built).
         m: tokens per draft sequence (value length).
         n: draft sequences per step (``N``), also the context database's values per key.
-        order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics).
+        order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics), ``d``
+            (dense retrieval, needs a dense store).
         top_k: most frequent grams of the model store used (the table holds at most what it was built with).
         recycle_topk: target predictions recycled per verified node: 1 = top-1, k > 1 adds the next k - 1 as
             one-token values.
@@ -47,6 +52,8 @@ class HierarchyConfig:
         s_n_min: shortest context suffix looked up in the statistics store.
         s_min_share: a statistics-store continuation must start at least this share of the retrieved ones.
         s_k: occurrences read from the statistics store per lookup.
+        d_k: neighbours retrieved from the dense store per lookup.
+        d_min_score: dense neighbours less similar than this (cosine) are not drafted.
         lead: databases whose drafts may make up a step's tree on their own; the others only add sequences to a
             step that a leading database already drafts for. ``"cms"`` is the paper's access (every database may
             draft). On a CPU any draft makes a verification ~1.5x as dear as a plain step while a few more draft
@@ -64,15 +71,17 @@ class HierarchyConfig:
     s_n_min: int = 3
     s_min_share: float = 0.2
     s_k: int = 500
+    d_k: int = 32
+    d_min_score: float = 0.75
     lead: str = "c"
 
     def __post_init__(self) -> None:
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
-            raise InputError(f"hd order {self.order!r}: use each of the letters c, m, s at most once, e.g. 'cms'")
+            raise InputError(f"hd order {self.order!r}: use each of the letters c, m, s, d at most once, e.g. 'cms'")
         if not self.lead or set(self.lead) - set(SOURCE_NAMES):
-            raise InputError(f"hd lead {self.lead!r}: use letters among c, m, s")
+            raise InputError(f"hd lead {self.lead!r}: use letters among c, m, s, d")
         if not (0.0 <= self.s_min_share <= 1.0 and 0.0 <= self.m_min_share <= 1.0):
             raise InputError("hd needs 0 <= s_min_share <= 1 and 0 <= m_min_share <= 1")
 
@@ -146,21 +155,23 @@ class StatisticsDatabase:
 class HierarchyDrafter(Drafter):
     """Drafts from the context, model and statistics databases, read in order until ``n`` sequences are found.
 
-    ``model`` and ``statistics`` are optional: a letter of ``config.order`` whose database is missing is skipped, so
-    HD works with the context database alone.
+    ``model``, ``statistics`` and ``dense`` are optional: a letter of ``config.order`` whose database is missing is
+    skipped, so HD works with the context database alone.
     """
 
     name = "hd"
 
     def __init__(self, config: HierarchyConfig | None = None, model: DraftDatabase | None = None,
-                 statistics: DraftDatabase | None = None) -> None:
+                 statistics: DraftDatabase | None = None, dense: DenseRetriever | None = None) -> None:
         self.config = config or HierarchyConfig()
         self.context_db = ContextDB(self.config.l, self.config.m, self.config.n)
         self.verifier_topk = self.config.recycle_topk
-        available = {"c": self.context_db, "m": model, "s": statistics}
+        available = {"c": self.context_db, "m": model, "s": statistics, "d": dense}
         self.databases: list[tuple[str, DraftDatabase]] = [
             (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
         ]
+        self.dense = dense if "d" in self.config.order else None
+        self.wants_hidden = self.dense is not None
         self._leaders = {SOURCE_NAMES[letter] for letter in self.config.lead}
         self._proposed_length = 0
 
@@ -176,6 +187,15 @@ class HierarchyDrafter(Drafter):
     def begin(self, prompt: np.ndarray) -> None:
         self.context_db.reset()
         self.context_db.feed_context(prompt)
+        if self.dense is not None:
+            self.dense.reset()
+
+    def observe_hidden(self, hidden: np.ndarray) -> None:
+        if self.dense is not None:
+            self.dense.set_query(hidden)
+
+    def report(self) -> dict:
+        return self.dense.report() if self.dense is not None else {}
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         root = int(context[-1])

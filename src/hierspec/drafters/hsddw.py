@@ -83,6 +83,13 @@ class HSDDWDrafter(Drafter):
     def verifier_topk(self) -> int:
         return self.first.verifier_topk
 
+    @property
+    def wants_hidden(self) -> bool:
+        return self.first.wants_hidden
+
+    def observe_hidden(self, hidden: np.ndarray) -> None:
+        self.first.observe_hidden(hidden)
+
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self._sampling, self._generator = sampling, generator
         self.first.prepare(sampling, generator)
