@@ -122,3 +122,21 @@ def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
     pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"hd: p = {pvalue:.2e}"
 
+
+
+def test_dense_retrieval_sampling_matches_exact_distribution(target, tmp_path):
+    from hierspec.datastore.dense import DenseBuildConfig, DenseStore, TokenDocument, build_dense_store
+    from hierspec.drafters.dense import DenseConfig, DenseDrafter
+
+    rng = np.random.default_rng(3)
+    documents = [TokenDocument(np.array(PROMPT + rng.integers(0, VOCAB, size=12).tolist())) for _ in range(40)]
+    build_dense_store(target, documents, tmp_path / "dense", DenseBuildConfig(pca_dim=8, next_tokens=4, index="flat"))
+    store = DenseStore.open(tmp_path / "dense", target)
+    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
+    joint = exact_joint(exact_table(target, sampling))
+    config = DenseConfig(k=16, sampled_num_drafts=4, sampled_draft_len=3, min_score=-1.0)
+    counts, forwards_per_run = sample_counts(target, lambda: DenseDrafter(store, config), sampling)
+    assert counts[joint == 0].sum() == 0
+    assert forwards_per_run < 3.0
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
+    assert pvalue > 1e-3, f"dense: p = {pvalue:.2e}"
