@@ -141,6 +141,12 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
     assert "| pld |" in (out / "report.md").read_text()
     assert "## Draft-model levels" in (out / "report.md").read_text()
     assert summary["divergences"] == []
+    # transformers' prompt lookup reports no forwards: its forward-based figures read n/a, not 0
+    hf_pld_rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-pld |")]
+    assert hf_pld_rows[0].count("n/a") == 5 and hf_pld_rows[0].endswith("| 1.00 |")
+    assert hf_pld_rows[2] == "| hf-pld | n/a | n/a |"  # MAT per task (mt_bench, translation)
+    hf_ar_row = next(line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-ar |"))
+    assert "n/a" not in hf_ar_row
 
 
 def test_bench_sampling_run_records_its_settings(tmp_path, model_dir):
@@ -233,8 +239,10 @@ def test_compare_renders_two_summaries(tmp_path):
 
     row = {"tokens_per_s": 20.0, "speedup": 1.25, "mat": 1.5, "acceptance_rate": 0.25}
     a = write("a", {"ar": {**row, "speedup": 1.0}, "pld": row})
-    b = write("b", {"ar": {**row, "speedup": 1.0}, "hd": {**row, "speedup": 1.5}})
+    b = write("b", {"ar": {**row, "speedup": 1.0}, "hd": {**row, "speedup": 1.5},
+                    "hf-pld": {**row, "mat": 0.0, "acceptance_rate": 0.0, "target_forwards": 0, "new_tokens": 40}})
     table = compare_summaries(a, b / "summary.json")
+    assert "| hf-pld | — | 20.00 | — | 1.250 | — | n/a | — | n/a |" in table
     assert "| pld | 20.00 | — | 1.250 | — | 1.50 | — | 25.0% | — |" in table
     assert "| hd | — | 20.00 | — | 1.500 | — | 1.50 | — | 25.0% |" in table
     with pytest.raises(InputError, match="no benchmark summary"):

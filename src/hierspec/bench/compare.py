@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hierspec.bench.metrics import forwards_known
 from hierspec.errors import InputError
 
 
@@ -41,6 +42,11 @@ def compare_summaries(a: str | Path, b: str | Path) -> str:
                          ("acceptance_rate", "{:.1%}")):
             for side in (left, right):
                 method = side["methods"].get(label)
-                cells.append(fmt.format(method[key]) if method and key in method else "—")
+                if not method or key not in method:
+                    cells.append("—")
+                elif key in ("mat", "acceptance_rate") and not forwards_known(method):
+                    cells.append("n/a")
+                else:
+                    cells.append(fmt.format(method[key]))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -213,3 +213,9 @@ def explain_divergence(model, prompt_ids: list[int], reference: list[int], other
         "top2_tokens": top.indices.tolist(),
         "top2_gap": float(top.values[0] - top.values[1]),
     }
+
+
+def forwards_known(method: dict) -> bool:
+    """Whether a method reported its target forwards (transformers' prompt lookup and assisted generation do not),
+    so that MAT, acceptance, σ, η and the draft time share mean something."""
+    return bool(method.get("target_forwards")) or not method.get("new_tokens")

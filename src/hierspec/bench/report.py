@@ -7,7 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
-from hierspec.bench.metrics import MethodRecord
+from hierspec.bench.metrics import MethodRecord, forwards_known
 
 
 def write_answers(out_dir: Path, records: dict[str, MethodRecord], model_name: str) -> None:
@@ -41,6 +41,10 @@ def _decoding(summary: dict) -> str:
             f"top-k {sampling.get('top_k', 0)}, seed {sampling.get('seed')})")
 
 
+def _cell(value: float, known: bool, spec: str, suffix: str = "") -> str:
+    return f"{value:{spec}}{suffix}" if known else "n/a"
+
+
 def write_report(path: Path, summary: dict) -> None:
     """A Markdown report: overall table, per-task speedup and MAT tables, divergences from ``ar``."""
     methods = summary["methods"]
@@ -60,18 +64,20 @@ def write_report(path: Path, summary: dict) -> None:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, m in methods.items():
-        mat = f"{m['mat']:.2f}" if m["target_forwards"] else "n/a"  # transformers' peers report no forwards
+        known = forwards_known(m)
         lines.append(
-            f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {mat} | "
-            f"{100 * m['acceptance_rate']:.1f}% | {m.get('sigma', 0.0):.2f} | {m.get('eta', 0.0):.2f} | "
-            f"{100 * m['draft_time_share']:.1f}% | {m['identical_to_ar']:.2f} |"
+            f"| {label} | {m['tokens_per_s']:.2f} | {m['speedup']:.3f} | {_cell(m['mat'], known, '.2f')} | "
+            f"{_cell(100 * m['acceptance_rate'], known, '.1f', '%')} | {_cell(m.get('sigma', 0.0), known, '.2f')} | "
+            f"{_cell(m.get('eta', 0.0), known, '.2f')} | {_cell(100 * m['draft_time_share'], known, '.1f', '%')} | "
+            f"{m['identical_to_ar']:.2f} |"
         )
     for metric, title in (("speedup", "Speedup per task"), ("mat", "MAT per task"),
                           ("identical_to_ar", "Identical to ar per task")):
         lines += ["", f"## {title}", "", "| method | " + " | ".join(tasks) + " |",
                   "|---|" + "---:|" * len(tasks)]
         for label, m in methods.items():
-            cells = [f"{m['per_task'][t][metric]:.2f}" if t in m["per_task"] else "" for t in tasks]
+            known = metric != "mat" or forwards_known(m)
+            cells = [_cell(m["per_task"][t][metric], known, ".2f") if t in m["per_task"] else "" for t in tasks]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     sourced = [(label, m["per_source"]) for label, m in methods.items() if len(m.get("per_source", {})) > 1]
     if sourced:
