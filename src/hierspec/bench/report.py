@@ -37,8 +37,10 @@ def _decoding(summary: dict) -> str:
     sampling = summary.get("sampling") or {}
     if not sampling or sampling.get("temperature", 0.0) == 0.0:
         return "greedy"
+    seeds = sampling.get("seeds") or [sampling.get("seed")]
+    seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else "seeds " + ", ".join(map(str, seeds))
     return (f"sampling (temperature {sampling['temperature']}, top-p {sampling.get('top_p', 1.0)}, "
-            f"top-k {sampling.get('top_k', 0)}, seed {sampling.get('seed')})")
+            f"top-k {sampling.get('top_k', 0)}, {seed_text})")
 
 
 def _cell(value: float, known: bool, spec: str, suffix: str = "") -> str:
