@@ -1,8 +1,9 @@
 """Speculative sampling with draft models is lossless: sd, sd + self-verify, HSDDW and retrieval → model → target.
 
 Same method as ``test_sampling_lossless.py`` (exact joint law of the first three tokens, 20 000 seeded runs, χ²).
-``sd`` uses a real tiny draft model; the other cases use :class:`TableLM` draft distributions, which exercise the
-same acceptance code at a fraction of the run time (losslessness may not depend on what ``q`` is).
+``sd`` uses a real tiny draft model (HSDDW with two real tiny models: ``test_sampling_hsddw_models.py``); the other
+cases use :class:`TableLM` draft distributions, which exercise the same acceptance code at a fraction of the run time
+(losslessness may not depend on what ``q`` is).
 """
 
 import pytest

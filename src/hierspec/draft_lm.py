@@ -106,12 +106,17 @@ class DraftLM:
             self._tokens.extend(missing)
 
     def score_tree(self, context: np.ndarray, tree: DraftTree) -> torch.Tensor:
-        """Logits after every node of ``tree`` (rooted at ``context[-1]``), ``[n, vocab]``; follow with :meth:`keep`."""
+        """Logits after every node of ``tree`` (rooted at ``context[-1]``), ``[n, vocab]``, on the CPU; follow with
+        :meth:`keep`.
+
+        On the CPU because draft distributions meet the target's there (acceptance runs on the CPU, with a CPU
+        random generator), wherever the draft model runs.
+        """
         self._sync(context[:-1])
         logits = self.model.forward_tree(self._cache, tree).logits
         self.forwards += 1
         self._pending = (tree, len(self._tokens))
-        return logits[:, : self.vocab_size]
+        return logits[:, : self.vocab_size].cpu()
 
     def keep(self, path: Sequence[int]) -> None:
         """After :meth:`score_tree`, keep the root and the nodes of ``path`` in the cache; drop the rest."""

@@ -1,0 +1,124 @@
+"""The same guarantees on a CUDA device: every drafter, greedy and sampling, the loader's CUDA defaults, the bench.
+
+Skipped where PyTorch sees no GPU (as on CI). Float64 on the GPU makes the outputs comparable exactly with the CPU:
+greedy runs must be token-identical to plain decoding on the GPU, and a seeded sampling run must give the tokens
+the same run gives on the CPU (acceptance draws from a CPU generator, so only a device mix-up can change them).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter
+from hierspec.methods import DrafterContext, make_drafter
+from hierspec.target import TargetModel, load_model
+from tiny import make_model, make_tokenizer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+VOCAB = 64
+METHODS = ("pld", "sd:draft=self:2,k=4", "sd:draft=self:2,k=4,self_verify=true", "hsddw:first=pld,middle=self:3",
+           "hsddw:first=sd,middle=self:3")
+
+
+def _pair(seed: int = 3) -> tuple[TargetModel, TargetModel]:
+    """The same tiny float64 model on the CPU and on the GPU."""
+    model = make_model("llama", vocab_size=VOCAB, seed=seed, layers=4)
+    gpu = make_model("llama", vocab_size=VOCAB, seed=seed, layers=4).to("cuda")
+    return TargetModel(model, make_tokenizer(VOCAB), "tiny-cpu"), TargetModel(gpu, make_tokenizer(VOCAB), "tiny-gpu")
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        motif = rng.integers(1, VOCAB, size=5).tolist()
+        prompts.append(motif * 2 + rng.integers(1, VOCAB, size=int(rng.integers(1, 8))).tolist() + motif[:2])
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _pair()
+
+
+def test_plain_decoding_on_the_gpu_matches_the_cpu_and_transformers(pair):
+    cpu, gpu = pair
+    assert gpu.device.type == "cuda"
+    config = GenerationConfig(max_new_tokens=24)
+    for prompt in _prompts(4, seed=1):
+        ours = SpeculativeDecoder(gpu, NoDrafter()).generate(prompt, config).token_ids
+        assert ours == SpeculativeDecoder(cpu, NoDrafter()).generate(prompt, config).token_ids
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device="cuda")
+            out = gpu.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                     eos_token_id=0, pad_token_id=0)
+        assert ours == out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_drafting_on_the_gpu_is_identical_to_plain_decoding(pair, method):
+    cpu, gpu = pair
+    config = GenerationConfig(max_new_tokens=32)
+    decoder = SpeculativeDecoder(gpu, make_drafter(method, DrafterContext(gpu)))
+    accepted = 0
+    # Each prompt ends with the model's own continuation of it, so prompt lookup too finds drafts the model accepts
+    # (on the CPU, in float64, these prompts give pld 2 accepted drafts and the model drafters 29 to 59).
+    plain = SpeculativeDecoder(cpu, NoDrafter())
+    for prompt in (p + plain.generate(p, config).token_ids for p in _prompts(5, seed=2)):
+        result = decoder.generate(prompt, config)
+        assert result.token_ids == SpeculativeDecoder(gpu, NoDrafter()).generate(prompt, config).token_ids
+        accepted += result.stats.accepted_drafts
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("method", ("ar",) + METHODS)
+def test_seeded_sampling_on_the_gpu_gives_the_cpu_tokens(pair, method):
+    cpu, gpu = pair
+    sampling = SamplingConfig(temperature=0.8, top_p=0.95, seed=7)
+    config = GenerationConfig(max_new_tokens=24, sampling=sampling)
+    for prompt in _prompts(3, seed=3):
+        runs = []
+        for target in (cpu, gpu):
+            drafter = NoDrafter() if method == "ar" else make_drafter(method, DrafterContext(target))
+            runs.append(SpeculativeDecoder(target, drafter).generate(prompt, config).token_ids)
+        assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_loader_puts_the_model_on_the_gpu_in_bfloat16_by_default(tmp_path):
+    directory = tmp_path / "tiny"
+    make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float32).save_pretrained(directory)
+    make_tokenizer(VOCAB).save_pretrained(directory)
+    auto = load_model(str(directory), ModelConfig(device="cuda"))
+    assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
+    exact = load_model(str(directory), ModelConfig(device="cuda", dtype="float32"))
+    config = GenerationConfig(max_new_tokens=20)
+    for prompt in _prompts(3, seed=4):
+        reference = SpeculativeDecoder(exact, NoDrafter()).generate(prompt, config).token_ids
+        assert SpeculativeDecoder(exact, make_drafter("pld", DrafterContext(exact))).generate(
+            prompt, config).token_ids == reference
+        assert len(SpeculativeDecoder(auto, make_drafter("pld", DrafterContext(auto))).generate(
+            prompt, config).token_ids) > 0
+
+
+def test_bench_runs_every_kind_of_method_on_the_gpu(tmp_path):
+    from hierspec.bench.runner import BenchConfig, run_bench
+
+    directory = tmp_path / "tiny"
+    make_model("llama", vocab_size=VOCAB, seed=8, dtype=torch.float32, layers=3).save_pretrained(directory)
+    make_tokenizer(VOCAB).save_pretrained(directory)
+    questions = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "qa", "turns": [" ".join(f"w{(i * 7 + j) % 60 + 1}" for j in range(12))]}
+            for i in range(3)]
+    questions.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    methods = ("hf-ar", "hf-pld", "hf-assisted", "pld", "hd:l=1", "sd", "hsddw")
+    summary = run_bench(BenchConfig(questions=str(questions), methods=methods, max_new_tokens=16,
+                                    out_dir=str(tmp_path / "out"), draft_model="self:1"),
+                        ModelConfig(spec=str(directory), device="cuda", dtype="float32"))
+    assert set(summary["methods"]) == {"ar", *methods}
+    for method in ("hf-ar", "pld", "hd:l=1", "sd", "hsddw"):
+        assert summary["methods"][method]["identical_to_ar"] == 1.0, method
