@@ -7,16 +7,13 @@ from hierspec.bench.questions import Question, load_questions, select_questions
 from hierspec.bench.runner import BenchConfig, run_bench
 from hierspec.config import ModelConfig
 from hierspec.errors import InputError
-from tiny import make_model, make_tokenizer
+from tiny import save_model_dir
 
 
 @pytest.fixture
 def model_dir(tmp_path):
     """A tiny Llama with its word-level tokenizer saved as a model directory."""
-    directory = tmp_path / "model"
-    make_model("llama", vocab_size=64, seed=8, max_positions=256).save_pretrained(directory)
-    make_tokenizer(64).save_pretrained(directory)
-    return directory
+    return save_model_dir(tmp_path / "model", vocab_size=64, seed=8, max_positions=256)
 
 
 def _q(qid, category):

@@ -8,22 +8,16 @@ import numpy as np
 import pytest
 
 from hierspec.cli import main
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, save_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_model("llama", vocab_size=64, seed=5, max_positions=64).save_pretrained(path)
-    make_tokenizer(64).save_pretrained(path)
-    return str(path)
+    return str(save_model_dir(tmp_path_factory.mktemp("tiny-llama"), vocab_size=64, seed=5, max_positions=64))
 
 
 def _model_with_another_tokenizer(tmp_path):
-    other = tmp_path / "other-model"
-    make_model("llama", vocab_size=80, seed=5, max_positions=64).save_pretrained(other)
-    make_tokenizer(80).save_pretrained(other)
-    return other
+    return save_model_dir(tmp_path / "other-model", vocab_size=80, seed=5, max_positions=64)
 
 
 def _run(capsys, *args):

@@ -5,6 +5,7 @@ greedy runs must be token-identical to plain decoding on the GPU, and a seeded s
 the same run gives on the CPU (acceptance draws from a CPU generator, so only a device mix-up can change them).
 """
 
+import copy
 import json
 
 import numpy as np
@@ -16,7 +17,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel, load_model
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, save_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,7 +29,7 @@ METHODS = ("pld", "sd:draft=self:2,k=4", "sd:draft=self:2,k=4,self_verify=true",
 def _pair(seed: int = 3) -> tuple[TargetModel, TargetModel]:
     """The same tiny float64 model on the CPU and on the GPU."""
     model = make_model("llama", vocab_size=VOCAB, seed=seed, layers=4)
-    gpu = make_model("llama", vocab_size=VOCAB, seed=seed, layers=4).to("cuda")
+    gpu = copy.deepcopy(model).to("cuda")
     return TargetModel(model, make_tokenizer(VOCAB), "tiny-cpu"), TargetModel(gpu, make_tokenizer(VOCAB), "tiny-gpu")
 
 
@@ -68,10 +69,10 @@ def test_greedy_drafting_on_the_gpu_is_identical_to_plain_decoding(pair, method)
     accepted = 0
     # Each prompt ends with the model's own continuation of it, so prompt lookup too finds drafts the model accepts
     # (on the CPU, in float64, these prompts give pld 2 accepted drafts and the model drafters 29 to 59).
-    plain = SpeculativeDecoder(cpu, NoDrafter())
-    for prompt in (p + plain.generate(p, config).token_ids for p in _prompts(5, seed=2)):
+    plain_cpu, plain_gpu = SpeculativeDecoder(cpu, NoDrafter()), SpeculativeDecoder(gpu, NoDrafter())
+    for prompt in (p + plain_cpu.generate(p, config).token_ids for p in _prompts(5, seed=2)):
         result = decoder.generate(prompt, config)
-        assert result.token_ids == SpeculativeDecoder(gpu, NoDrafter()).generate(prompt, config).token_ids
+        assert result.token_ids == plain_gpu.generate(prompt, config).token_ids
         accepted += result.stats.accepted_drafts
     assert accepted > 0
 
@@ -84,15 +85,13 @@ def test_seeded_sampling_on_the_gpu_gives_the_cpu_tokens(pair, method):
     for prompt in _prompts(3, seed=3):
         runs = []
         for target in (cpu, gpu):
-            drafter = NoDrafter() if method == "ar" else make_drafter(method, DrafterContext(target))
+            drafter = make_drafter(method, DrafterContext(target))
             runs.append(SpeculativeDecoder(target, drafter).generate(prompt, config).token_ids)
         assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
 def test_loader_puts_the_model_on_the_gpu_in_bfloat16_by_default(tmp_path):
-    directory = tmp_path / "tiny"
-    make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float32).save_pretrained(directory)
-    make_tokenizer(VOCAB).save_pretrained(directory)
+    directory = save_model_dir(tmp_path / "tiny", vocab_size=VOCAB, seed=5, dtype=torch.float32)
     auto = load_model(str(directory), ModelConfig(device="cuda"))
     assert auto.device.type == "cuda" and auto.dtype == torch.bfloat16
     exact = load_model(str(directory), ModelConfig(device="cuda", dtype="float32"))
@@ -108,9 +107,7 @@ def test_loader_puts_the_model_on_the_gpu_in_bfloat16_by_default(tmp_path):
 def test_bench_runs_every_kind_of_method_on_the_gpu(tmp_path):
     from hierspec.bench.runner import BenchConfig, run_bench
 
-    directory = tmp_path / "tiny"
-    make_model("llama", vocab_size=VOCAB, seed=8, dtype=torch.float32, layers=3).save_pretrained(directory)
-    make_tokenizer(VOCAB).save_pretrained(directory)
+    directory = save_model_dir(tmp_path / "tiny", vocab_size=VOCAB, seed=8, dtype=torch.float32, layers=3)
     questions = tmp_path / "q.jsonl"
     rows = [{"question_id": i, "category": "qa", "turns": [" ".join(f"w{(i * 7 + j) % 60 + 1}" for j in range(12))]}
             for i in range(3)]

@@ -38,6 +38,14 @@ def make_model(arch: str = "llama", vocab_size: int = 64, seed: int = 0, dtype=t
     return model.to(dtype).eval()
 
 
+def save_model_dir(directory, arch: str = "llama", vocab_size: int = 64, seed: int = 0, dtype=torch.float64,
+                   **kwargs):
+    """Save a tiny model and its matching tokenizer as a Hugging Face model directory; returns ``directory``."""
+    make_model(arch, vocab_size, seed, dtype, **kwargs).save_pretrained(directory)
+    make_tokenizer(vocab_size).save_pretrained(directory)
+    return directory
+
+
 def make_target(arch: str = "llama", vocab_size: int = 64, seed: int = 0, dtype=torch.float64, **kwargs) -> TargetModel:
     """A :class:`TargetModel` around a tiny random model."""
     return TargetModel(make_model(arch, vocab_size, seed, dtype, **kwargs), make_tokenizer(vocab_size),
