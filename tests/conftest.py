@@ -11,3 +11,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 def _single_thread():
     # Tiny models are dominated by per-op overhead; extra threads only add contention between xdist workers.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_home(tmp_path_factory):
+    """Tests never read or write the real home directory or user cache (default stores, cost curves, GGUF cache)."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        patch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+        yield home

@@ -28,7 +28,7 @@ def test_compacted_cache_equals_plain_cache(arch, branch):
     target.prefill(cache, prompt[:-1])
     past = cache.get_seq_length()
     target.forward_tree(cache, tree)
-    target.keep_path(cache, past, tree.size, keep)
+    target.keep_path(cache, past, keep)
 
     accepted = [int(tree.tokens[i]) for i in keep[1:]]
     reference = target.new_cache()

@@ -129,12 +129,13 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
     monkeypatch.setattr(SpeculativeDecoder, "generate", failing_generate)
     with pytest.raises(KeyboardInterrupt):
         build_model_store(target, _prompts(), out, config)
-    assert len((out / GENERATIONS_FILE).read_text().splitlines()) == 3
-    assert not (out / "header.json").exists()
-    with pytest.raises(DatastoreError, match="unfinished build"):
+    partial = tmp_path / ".resumed.partial"  # progress is kept beside the output, which does not exist yet
+    assert len((partial / GENERATIONS_FILE).read_text().splitlines()) == 3
+    assert not out.exists()
+    with pytest.raises(DatastoreError, match="not found"):
         NgramTable.open(out)
     # a torn last line (killed mid-write) is dropped too
-    with open(out / GENERATIONS_FILE, "a") as handle:
+    with open(partial / GENERATIONS_FILE, "a") as handle:
         handle.write('{"index": 3, "token_')
     counted = {"n": 0}
 
@@ -147,5 +148,6 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
     assert counted["n"] == 3  # only the prompts not answered before
     assert (out / "ngrams.tokens").read_bytes() == (reference / "ngrams.tokens").read_bytes()
     assert (out / "ngrams.counts").read_bytes() == (reference / "ngrams.counts").read_bytes()
-    with pytest.raises(DatastoreError, match="different max_new_tokens"):
+    assert not partial.exists()
+    with pytest.raises(DatastoreError, match="other prompts or settings"):
         build_model_store(target, _prompts(), out, ModelStoreConfig(max_new_tokens=9, method="ar"))

@@ -4,7 +4,6 @@ disconnects, API keys and a bounded load test."""
 import concurrent.futures
 import json
 import re
-import socket
 import statistics
 import threading
 import time
@@ -13,7 +12,6 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
 
 import hierspec
 from hierspec.config import GenerationConfig
@@ -21,45 +19,9 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.hierarchy import HierarchyDrafter
 from hierspec.drafters.base import Drafter
-from hierspec.server import ServerConfig, build_app
 from hierspec.tree import root_only
+from live_server import MODEL, LiveServer
 from tiny import make_target
-
-MODEL = "tiny"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """A uvicorn server in a background thread."""
-
-    def __init__(self, target, drafter, **config) -> None:
-        self.app, self.engine = build_app(target, drafter, ServerConfig(model_name=MODEL, **config))
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.close()
 
 
 class GatedDrafter(Drafter):

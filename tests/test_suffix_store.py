@@ -19,7 +19,8 @@ def _store(shard_docs):
     for docs in shard_docs:
         tokens = np.array([t for doc in docs for t in list(doc) + [SEP]], dtype=np.uint16)
         shards.append((tokens, suffix_array(tokens)))
-    return SuffixStore(Path("."), {"separator": SEP, "num_tokens": sum(len(t) for t, _ in shards)}, shards)
+    return SuffixStore(Path("."), {"separator": SEP, "num_tokens": sum(len(t) for t, _ in shards)}, shards,
+                       vocab_size=SEP, separator=SEP)
 
 
 def _brute_force(shard_docs, context, n_max, n_min, m):

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import inspect
+import os
+
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecoder
 from hierspec.drafters import Drafter
+from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel
 
 
-def _decoder(model: TargetModel, method: str | Drafter, datastores: tuple[str, ...]) -> SpeculativeDecoder:
-    drafter = method if isinstance(method, Drafter) else make_drafter(method, DrafterContext(model, datastores))
-    return SpeculativeDecoder(model, drafter)
+def _decoder(model: TargetModel, method: str | Drafter, datastores) -> SpeculativeDecoder:
+    if not isinstance(model, TargetModel):
+        raise InputError(f"model must be a loaded hierspec model (hierspec.load_model()), not {type(model).__name__}")
+    if isinstance(datastores, (str, os.PathLike)):
+        datastores = (datastores,)  # one directory, not a sequence of characters
+    if not all(isinstance(d, (str, os.PathLike)) for d in datastores):
+        raise InputError("datastores must be directory paths")
+    if isinstance(method, Drafter):
+        return SpeculativeDecoder(model, method)
+    if not isinstance(method, str):
+        raise InputError(f"method must be a method name such as 'hd' or a Drafter, not {method!r}")
+    return SpeculativeDecoder(model, make_drafter(method, DrafterContext(model, tuple(map(str, datastores)))))
 
 
 def make_config(
@@ -20,7 +33,7 @@ def make_config(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int | None = None,
-    stop: tuple[str, ...] | list[str] = (),
+    stop: tuple[str, ...] | list[str] | str | None = (),
     max_draft_tokens: int | None = None,
 ) -> GenerationConfig:
     """Build a validated :class:`GenerationConfig` from flat keyword arguments."""
@@ -28,9 +41,17 @@ def make_config(
     return GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
-        stop=tuple(stop),
+        stop=stop,
         **extra,
     )
+
+
+def _config(options: dict) -> GenerationConfig:
+    unknown = sorted(set(options) - set(inspect.signature(make_config).parameters))
+    if unknown:
+        raise InputError(f"unknown generation option(s) {', '.join(unknown)}; options: "
+                         f"{', '.join(inspect.signature(make_config).parameters)}")
+    return make_config(**options)
 
 
 def generate(
@@ -47,12 +68,13 @@ def generate(
         model: a loaded target (:func:`hierspec.load_model`).
         prompt: user text; wrapped in the chat template unless ``raw``.
         method: a method name such as ``"ar"``, ``"pld:max_ngram=4"`` or ``"rest"``, or a drafter instance.
-        datastores: datastore directories for methods that use them (``rest`` takes a ``suffix`` store).
+        datastores: datastore directories for methods that use them (``rest`` takes a ``suffix`` store); one path
+            may be given as a string.
         options: :func:`make_config` keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
             ``stop``, ``max_draft_tokens``).
     """
-    config = make_config(**options)
-    return _decoder(model, method, tuple(datastores)).generate(model.encode_prompt(prompt, raw=raw), config)
+    config = _config(options)
+    return _decoder(model, method, datastores).generate(model.encode_prompt(prompt, raw=raw), config)
 
 
 def stream(
@@ -64,5 +86,5 @@ def stream(
     **options,
 ) -> GenerationStream:
     """Like :func:`generate`, but iterate the returned stream for text deltas; ``stream.result`` is set at the end."""
-    config = make_config(**options)
-    return _decoder(model, method, tuple(datastores)).stream(model.encode_prompt(prompt, raw=raw), config)
+    config = _config(options)
+    return _decoder(model, method, datastores).stream(model.encode_prompt(prompt, raw=raw), config)

@@ -18,6 +18,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float64, bfloat16, float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
+    group.add_argument("--runtime", default="auto", choices=["auto", "packed", "eager"],
+                       help="verification runtime: auto (prepacked oneDNN linears on CPU where available), packed, "
+                            "or eager (PyTorch's own linears; no second copy of the weights)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -128,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(build)
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
+    show.add_argument("--verify", action="store_true", help="read and check every array of the store")
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_model_options(serve)
@@ -141,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
     serve.add_argument("--default-max-tokens", type=int, default=256)
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
+                       help="larger request bodies are refused with 413 (default 1048576)")
 
     calibrate = sub.add_parser("calibrate", help="measure the target's verification cost for 1..64 tree tokens")
     _add_model_options(calibrate)
@@ -159,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_config(args: argparse.Namespace):
     from hierspec.config import ModelConfig
 
-    return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+                       runtime=args.runtime)
 
 
 def _load(args: argparse.Namespace):
@@ -288,14 +295,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hierspec.methods import DrafterContext, MethodSpec, make_drafter
     from hierspec.server import ServerConfig, serve
 
-    if args.max_queue < 1 or args.timeout <= 0 or args.default_max_tokens < 1:
-        raise InputError("--max-queue and --default-max-tokens must be >= 1 and --timeout > 0")
+    if args.max_queue < 1 or args.timeout <= 0 or args.default_max_tokens < 1 or args.max_body_bytes < 1:
+        raise InputError("--max-queue, --default-max-tokens and --max-body-bytes must be >= 1 and --timeout > 0")
+    if not 1 <= args.port <= 65535:
+        raise InputError(f"--port must be between 1 and 65535, not {args.port}")
     spec = MethodSpec.parse(args.method)
     model = _load(args)
     drafter = make_drafter(spec, _drafter_context(args, model))
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
                           max_queue=args.max_queue, timeout_s=args.timeout,
-                          default_max_tokens=args.default_max_tokens)
+                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes)
     serve(model, drafter, config, host=args.host, port=args.port)
     return 0
 
@@ -304,7 +313,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
     from hierspec.datastore import build as store_build
 
     if args.datastore_command == "info":
-        print(json.dumps(store_build.info(args.directory), indent=2))
+        print(json.dumps(store_build.info(args.directory, verify=args.verify), indent=2))
         return 0
     from hierspec.datastore.dense import DenseBuildConfig
     from hierspec.datastore.suffix import SuffixBuildConfig

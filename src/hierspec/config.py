@@ -7,6 +7,28 @@ from dataclasses import dataclass, field
 
 from hierspec.errors import InputError
 
+#: seeds PyTorch's generator takes (a 64-bit value, signed or unsigned)
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_text(text, what: str) -> str:
+    """``text`` if it is a string that encodes as UTF-8 (no lone surrogates, e.g. from undecodable bytes)."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a string, not {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InputError(f"{what} is not valid UTF-8 text (it holds undecodable bytes or a lone surrogate)") from None
+    return text
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -23,16 +45,16 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or math.isnan(self.temperature) or self.temperature < 0:
             raise InputError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise InputError("temperature must be finite")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InputError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not _is_integer(self.top_k) or self.top_k < 0:
             raise InputError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InputError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_integer(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise InputError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
@@ -47,7 +69,7 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: upper bound on generated tokens (the output never exceeds it).
         sampling: greedy or sampling parameters.
-        stop: strings that end generation; the returned text stops before the first one found.
+        stop: strings that end generation; the returned text stops before the first one found (``None``: none).
         stop_at_eos: end generation at the model's end-of-sequence token(s).
         max_draft_tokens: most draft tokens verified in one target forward (tree nodes below the root).
     """
@@ -59,15 +81,22 @@ class GenerationConfig:
     max_draft_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens <= 0:
+        if not _is_integer(self.max_new_tokens) or self.max_new_tokens <= 0:
             raise InputError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
+        if not _is_integer(self.max_draft_tokens) or self.max_draft_tokens < 0:
             raise InputError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.sampling, SamplingConfig):
+            raise InputError(f"sampling must be a SamplingConfig, not {type(self.sampling).__name__}")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            raise InputError(f"stop must be a string or a list of strings, not {self.stop!r}") from None
+        if any(not isinstance(s, str) or not s for s in stop):
             raise InputError("stop strings must be non-empty strings")
-        object.__setattr__(self, "stop", tuple(self.stop))
+        for text in stop:
+            check_text(text, "a stop string")
+        object.__setattr__(self, "stop", stop)
 
 
 @dataclass(frozen=True)
@@ -84,6 +113,8 @@ class ModelConfig:
         threads: CPU threads for PyTorch; ``None`` leaves PyTorch's default.
         cache_dir: where converted GGUF weights are cached; ``None`` uses the user cache directory.
         local_files_only: never contact a model hub (a Hugging Face id must already be in the local HF cache).
+        runtime: how verification forwards run (:class:`hierspec.runtime.RuntimeConfig`): ``"auto"`` (prepacked
+            oneDNN linears on CPU where they work), ``"packed"`` (an error where they do not) or ``"eager"``.
     """
 
     spec: str | None = None
@@ -92,8 +123,11 @@ class ModelConfig:
     threads: int | None = None
     cache_dir: str | None = None
     local_files_only: bool = False
+    runtime: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.runtime not in {"auto", "packed", "eager"}:
+            raise InputError(f"unknown runtime {self.runtime!r}: use auto, packed or eager")
         if self.dtype not in {"auto", "float32", "float64", "bfloat16", "float16"}:
             raise InputError(f"unknown dtype {self.dtype!r}: use auto, float32, float64, bfloat16 or float16")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):

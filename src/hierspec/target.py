@@ -1,26 +1,29 @@
 """The target model: prompt encoding, prefill, tree-verification forward and KV-cache compaction.
 
 The model is an unmodified Hugging Face causal LM. A draft tree is verified in one forward pass by giving the model
-a 4-D additive attention mask (each node sees the cache and its ancestors) and explicit position ids (cache length
-plus depth). Afterwards only the KV entries of the accepted path are kept, using the cache's public API
-(``crop`` and ``update``).
+a 4-D boolean attention mask (each node sees the cache and its ancestors) and explicit position ids (cache length
+plus depth). Afterwards only the KV entries of the accepted path are kept. How the forward runs on this device —
+prepacked weights, the KV cache's buffers, bucket padding — is the :mod:`hierspec.runtime`'s business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from hierspec.config import ModelConfig
-from hierspec.errors import InputError, ModelLoadError
+from hierspec.chat import encode_chat
+from hierspec.config import ModelConfig, check_text
+from hierspec.errors import HierspecError, InputError, ModelLoadError
 from hierspec.loading import load_pretrained, model_fingerprint, tokenizer_fingerprint
-from hierspec.tree import DraftTree, tree_attention_mask, tree_position_ids
+from hierspec.runtime import Runtime, RuntimeConfig
+from hierspec.runtime.kv_cache import TreeCache
+from hierspec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class TargetModel:
     Build it with :func:`load_model` or wrap an already loaded model with ``TargetModel(model, tokenizer)``.
     """
 
-    def __init__(self, model, tokenizer, name: str | None = None) -> None:
+    def __init__(self, model, tokenizer, name: str | None = None, runtime: RuntimeConfig | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or type(model).__name__
@@ -51,15 +54,18 @@ class TargetModel:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
         self._check_cache_layout()
+        self.runtime = Runtime(model, runtime)
 
     # ----------------------------------------------------------------- prompts and text
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
         """Token ids of a prompt, wrapped in the chat template as a user turn unless ``raw``.
 
         Raises:
-            InputError: for an empty prompt or one that leaves no room to generate within the model's context.
+            InputError: for an empty prompt, text that is not valid UTF-8, or a prompt that leaves no room to generate
+                within the model's context.
         """
-        if not isinstance(prompt, str) or not prompt.strip():
+        check_text(prompt, "the prompt")
+        if not prompt.strip():
             raise InputError("the prompt is empty")
         if raw or not getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -68,12 +74,11 @@ class TargetModel:
         return self.check_prompt_ids(list(ids))
 
     def encode_messages(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a chat conversation with the generation prompt appended."""
-        encoded = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        if ids and isinstance(ids[0], list):
-            ids = ids[0]
-        return self.check_prompt_ids([int(t) for t in ids])
+        """Token ids of a chat conversation with the generation prompt appended; message text never becomes
+        control tokens (:func:`hierspec.chat.encode_chat`)."""
+        for message in messages:
+            check_text(message.get("content"), "a message's content")
+        return self.check_prompt_ids(encode_chat(self.tokenizer, messages))
 
     def check_prompt_ids(self, ids: Sequence[int]) -> list[int]:
         """Validate prompt ids: non-empty, in the vocabulary, and shorter than the model's context."""
@@ -94,7 +99,7 @@ class TargetModel:
         """Text of generated ids, special tokens removed."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
         """Rows of the output embedding (may exceed the tokenizer's length)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
@@ -115,12 +120,12 @@ class TargetModel:
         return int(self.model.get_output_embeddings().weight.shape[1])
 
     # ----------------------------------------------------------------- forward passes
-    def new_cache(self) -> DynamicCache:
-        """An empty KV cache for this model."""
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, capacity: int | None = None) -> TreeCache:
+        """An empty KV cache for this model, with room for ``capacity`` entries before its buffers grow."""
+        return self.runtime.new_cache(capacity)
 
     @torch.inference_mode()
-    def prefill(self, cache: DynamicCache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:
+    def prefill(self, cache: TreeCache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:
         """Run the model over ``ids`` to fill the cache (no logits are needed: the last prompt token is the root).
 
         With ``want_hidden``, return the last hidden state of the last of ``ids`` (``None`` when ``ids`` is empty).
@@ -140,53 +145,31 @@ class TargetModel:
                          logits_to_keep=1)
         return out.hidden_states[-1]
 
-    @torch.inference_mode()
-    def forward_tree(self, cache: DynamicCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:
-        """Verify a draft tree in one forward pass on top of the cache; the cache grows by ``tree.size`` entries."""
-        past = cache.get_seq_length()
-        input_ids = torch.as_tensor(tree.tokens, device=self.device).unsqueeze(0)
-        kwargs = {}
-        if tree.size > 1:
-            kwargs["attention_mask"] = self._additive_mask(tree, past)
-            kwargs["position_ids"] = torch.as_tensor(tree_position_ids(tree, past), device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=input_ids,
-            past_key_values=cache,
-            use_cache=True,
-            output_hidden_states=want_hidden,
-            **kwargs,
-        )
-        hidden = out.hidden_states[-1][0] if want_hidden else None
-        return TreeOutput(logits=out.logits[0], hidden=hidden)
+    def forward_tree(self, cache: TreeCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:
+        """Verify a draft tree in one forward pass on top of the cache.
 
-    def _additive_mask(self, tree: DraftTree, past: int) -> torch.Tensor:
-        allowed = torch.from_numpy(tree_attention_mask(tree, past)).to(self.device)
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        return mask[None, None]
+        The cache grows by the tree's padded size (:meth:`hierspec.runtime.Runtime.rows_for`) until
+        :meth:`keep_path` keeps the accepted entries.
+        """
+        if tree.size > 1 and (int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= self.vocab_size):
+            raise HierspecError("a draft holds token ids outside the model's vocabulary (a corrupt datastore?)")
+        logits, hidden = self.runtime.forward_tree(cache, tree, want_hidden)
+        return TreeOutput(logits=logits, hidden=hidden)
 
     @staticmethod
-    def keep_path(cache: DynamicCache, past: int, tree_size: int, keep: Sequence[int]) -> None:
-        """Drop the KV entries of rejected tree nodes.
+    def keep_path(cache: TreeCache, past: int, keep: Sequence[int]) -> None:
+        """Drop the KV entries of rejected (and padding) tree nodes.
 
-        ``past`` is the cache length before the tree forward, ``keep`` the tree node indices to keep, in order (the
-        root and the accepted path). A prefix of the breadth-first order is a plain crop; otherwise the kept entries
-        are gathered, the tree's entries cropped and the gathered ones appended again.
+        ``past`` is the cache length before the tree forward, ``keep`` the tree node indices to keep, ascending (the
+        root and the accepted path): they become the cache's entries ``past .. past + len(keep) - 1``.
         """
-        keep = list(keep)
-        if keep == list(range(len(keep))):
-            dropped = tree_size - len(keep)
-            if dropped:
-                cache.crop(-dropped)
-            return
-        index = torch.as_tensor(np.asarray(keep, dtype=np.int64) + past)
-        kept = []
-        for layer in cache.layers:
-            idx = index.to(layer.keys.device)
-            kept.append((layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)))
-        cache.crop(-tree_size)
-        for layer_idx, (keys, values) in enumerate(kept):
-            cache.update(keys, values, layer_idx)
+        cache.keep(past, keep)
+
+    @contextlib.contextmanager
+    def stock(self):
+        """Run the block on the model as transformers loaded it (for transformers' own ``generate``)."""
+        with self.runtime.stock():
+            yield
 
     def synchronize(self) -> None:
         """Wait for queued device work, so that wall-clock timings are honest on CUDA."""
@@ -194,7 +177,7 @@ class TargetModel:
             torch.cuda.synchronize(self.device)
 
     def _check_cache_layout(self) -> None:
-        cache = self.new_cache()
+        cache = DynamicCache(config=self.model.config)
         for layer in cache.layers:
             if type(layer) is not DynamicLayer:
                 raise ModelLoadError(
@@ -227,4 +210,4 @@ def load_model(spec: str | None = None, config: ModelConfig | None = None) -> Ta
     if spec is not None:
         config = ModelConfig(**{**config.__dict__, "spec": spec})
     model, tokenizer, name, _, _ = load_pretrained(config)
-    return TargetModel(model, tokenizer, name=name)
+    return TargetModel(model, tokenizer, name=name, runtime=RuntimeConfig(kind=config.runtime))

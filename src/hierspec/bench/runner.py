@@ -118,14 +118,15 @@ class HfGenerateRunner:
             "top_k": sampling.top_k}  # 0 disables top-k, overriding generation_config defaults
         if not sampling.greedy:
             torch.manual_seed(sampling.seed or 0)
-        start = time.perf_counter()
-        output = target.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.config.max_new_tokens,
-            **options, **self.options, eos_token_id=sorted(target.eos_token_ids) or None,
-            pad_token_id=target.tokenizer.pad_token_id or next(iter(target.eos_token_ids), 0),
-        )
-        target.synchronize()
-        wall = time.perf_counter() - start
+        with target.stock():  # transformers' generate on the model as transformers loaded it
+            start = time.perf_counter()
+            output = target.model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.config.max_new_tokens,
+                **options, **self.options, eos_token_id=sorted(target.eos_token_ids) or None,
+                pad_token_id=target.tokenizer.pad_token_id or next(iter(target.eos_token_ids), 0),
+            )
+            target.synchronize()
+            wall = time.perf_counter() - start
         new = output[0, len(prompt_ids):].tolist()
         steps = [1] * len(new) if not self.options else []
         return QuestionRun(token_ids=new, text=target.decode(new), wall_time=wall, accept_lengths=steps)

@@ -14,7 +14,7 @@ from hierspec.config import ModelConfig
 from hierspec.datastore.corpus import iter_documents, preset_inputs
 from hierspec.datastore.dense import KIND as DENSE_KIND
 from hierspec.datastore.dense import DenseBuildConfig, DenseStore, TokenDocument, build_dense_store
-from hierspec.datastore.format import default_store_dir, read_header
+from hierspec.datastore.format import DatastoreError, default_store_dir, read_header
 from hierspec.datastore.model_store import (
     GENERATIONS_FILE,
     ModelStoreConfig,
@@ -222,13 +222,16 @@ def assistant_turn_renderer(tokenizer):
     return render
 
 
-def info(directory: str) -> dict:
-    """Header and sizes of a datastore."""
+def info(directory: str, verify: bool = False) -> dict:
+    """Header and sizes of a datastore; with ``verify``, every array is read and checked too (``"verified"``)."""
     header = read_header(directory)
-    if header.get("kind") == SUFFIX_KIND:
-        return SuffixStore.open(directory).info()
-    if header.get("kind") == MODEL_KIND:
-        return NgramTable.open(directory).info()
-    if header.get("kind") == DENSE_KIND:
-        return DenseStore.open(directory).info()
-    return header
+    opener = {SUFFIX_KIND: SuffixStore.open, MODEL_KIND: NgramTable.open, DENSE_KIND: DenseStore.open}.get(
+        header["kind"])
+    if opener is None:
+        raise DatastoreError(f"{directory} is a datastore of unknown kind {header['kind']!r}")
+    store = opener(directory)
+    described = store.info()
+    if verify:
+        described["verified"] = store.verify(header.get("vocab_size")) if header["kind"] == DENSE_KIND else (
+            store.verify())
+    return described

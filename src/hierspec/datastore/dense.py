@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -32,11 +31,22 @@ from tqdm import tqdm
 from hierspec.datastore.format import (
     DatastoreError,
     check_tokenizer,
+    header_dict,
     new_header,
     open_array,
     read_header,
     write_array,
     write_header,
+)
+from hierspec.datastore.output import (
+    BUILD_FILE,
+    build_lock,
+    check_output_path,
+    check_replaceable,
+    put_in_place,
+    remove_stale_temporaries,
+    resumable_work_dir,
+    write_json_atomic,
 )
 from hierspec.errors import InputError
 
@@ -46,7 +56,6 @@ KIND = "dense"
 INDEX_TYPES = ("hnsw", "ivf", "flat")
 INDEX_FILE = "keys.faiss"
 PROGRESS_FILE = "progress.json"
-BUILD_FILE = "build.json"
 HIDDEN_FILE = "hidden.f16"
 VALUES_FILE = "values.i32"
 PAD = -1
@@ -213,15 +222,20 @@ class DenseStore:
         if target is not None:
             check_tokenizer(header, directory, target.tokenizer_fingerprint, target.name)
             check_model(header, directory, target.model_fingerprint, target.name)
-        arrays = header.get("arrays", {})
-        try:
-            normaliser = KeyNormaliser(*(np.array(open_array(directory, arrays[k])) for k in ("mean", "std",
-                                                                                              "components")))
-            values = open_array(directory, arrays["values"])
-        except KeyError as exc:
-            raise DatastoreError(f"{directory}: header lists no {exc.args[0]!r} array; rebuild the store") from exc
-        index_path = directory / header.get("index", {}).get("file", INDEX_FILE)
-        if not index_path.is_file() or index_path.stat().st_size != header["index"].get("bytes"):
+        arrays = header_dict(header, "arrays", directory)
+        mean, std, components = (np.array(open_array(directory, arrays.get(k), ("<f4",), ndim=n))
+                                 for k, n in (("mean", 1), ("std", 1), ("components", 2)))
+        if not (mean.shape == std.shape == components.shape[:1]) or not np.isfinite(components).all():
+            raise DatastoreError(f"{directory}: the normalisation arrays disagree in shape or are not finite; "
+                                 "rebuild the store")
+        normaliser = KeyNormaliser(mean, std, components)
+        values = open_array(directory, arrays.get("values"), ("<i4",), ndim=2)
+        index_entry = header_dict(header, "index", directory)
+        index_name, index_bytes = index_entry.get("file", INDEX_FILE), index_entry.get("bytes")
+        if not isinstance(index_name, str) or "/" in index_name or index_name in {"", ".", ".."}:
+            raise DatastoreError(f"{directory}: index file {index_name!r} is not a plain file name inside the store")
+        index_path = directory / index_name
+        if not index_path.is_file() or index_path.stat().st_size != index_bytes:
             raise DatastoreError(f"{index_path} is missing or has the wrong size: the store is corrupt; rebuild it")
         try:
             index = faiss.read_index(str(index_path))
@@ -231,6 +245,16 @@ class DenseStore:
             raise DatastoreError(f"{directory}: the index holds {index.ntotal} keys of {index.d} dims but the store "
                                  f"has {values.shape[0]} values and {normaliser.dim} PCA dims; rebuild it")
         return cls(directory, header, normaliser, index, values)
+
+    def verify(self, vocab_size: int | None = None) -> dict:
+        """Read every value: token ids in ``[0, vocab_size)`` (when given) or the padding ``-1``."""
+        values = np.asarray(self.values)
+        low = int(values.min()) if values.size else 0
+        high = int(values.max()) if values.size else 0
+        if low < PAD or (vocab_size is not None and high >= vocab_size):
+            raise DatastoreError(f"{self.directory}: stored next tokens range over [{low}, {high}], outside the "
+                                 "vocabulary; rebuild the store")
+        return {"keys": self.size, "ok": True}
 
     @property
     def size(self) -> int:
@@ -271,35 +295,33 @@ def build_dense_store(target, documents: Iterable[TokenDocument], out_dir: str |
 
     Resumes an interrupted build of the same inputs and settings (see the module docstring).
     """
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise DatastoreError(f"{out_dir} already exists; remove it or pass --overwrite")
+    out_dir = check_output_path(Path(out_dir))
     if config.pca_dim > target.hidden_size:
         raise InputError(f"--pca-dim {config.pca_dim} exceeds the model's hidden size {target.hidden_size}")
-    work = out_dir.parent / f".{out_dir.name}.partial"
-    sources = list(sources)
-    documents = list(_limit_keys(documents, config.max_keys))
-    if not documents:
-        raise InputError("nothing to index: the inputs hold no document of two or more tokens")
-    params = {"model": target.model_fingerprint, "config": asdict(config), "sources": sources,
-              "documents": len(documents), "keys": sum(d.keys for d in documents)}
-    start = time.perf_counter()
-    _prepare_work_dir(work, params)
-    rows = _embed_documents(target, documents, work, config)
-    hidden = np.memmap(work / HIDDEN_FILE, dtype=np.float16, mode="r", shape=(rows, target.hidden_size))
-    rng = np.random.default_rng(config.seed)
-    sample_rows = np.sort(rng.choice(rows, size=min(rows, config.sample), replace=False))
-    normaliser, explained = fit_normaliser(np.asarray(hidden[sample_rows], dtype=np.float32), config.pca_dim)
-    index = _index_keys(hidden, normaliser, sample_rows, config)
-    header = _finish(target, work, index, normaliser, explained, rows, config, sources,
-                     seconds=time.perf_counter() - start)
-    del hidden
-    (work / HIDDEN_FILE).unlink()
-    for name in (PROGRESS_FILE, BUILD_FILE):
-        (work / name).unlink(missing_ok=True)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(work, out_dir)
+    with build_lock(out_dir):
+        remove_stale_temporaries(out_dir)
+        check_replaceable(out_dir, overwrite)
+        sources = list(sources)
+        documents = list(_limit_keys(documents, config.max_keys))
+        if not documents:
+            raise InputError("nothing to index: the inputs hold no document of two or more tokens")
+        params = {"model": target.model_fingerprint, "config": asdict(config), "sources": sources,
+                  "documents": len(documents), "keys": sum(d.keys for d in documents)}
+        start = time.perf_counter()
+        work = resumable_work_dir(out_dir, params, restart=overwrite)
+        rows = _embed_documents(target, documents, work, config)
+        hidden = np.memmap(work / HIDDEN_FILE, dtype=np.float16, mode="r", shape=(rows, target.hidden_size))
+        rng = np.random.default_rng(config.seed)
+        sample_rows = np.sort(rng.choice(rows, size=min(rows, config.sample), replace=False))
+        normaliser, explained = fit_normaliser(np.asarray(hidden[sample_rows], dtype=np.float32), config.pca_dim)
+        index = _index_keys(hidden, normaliser, sample_rows, config)
+        header = _finish(target, work, index, normaliser, explained, rows, config, sources,
+                         seconds=time.perf_counter() - start)
+        del hidden
+        (work / HIDDEN_FILE).unlink()
+        for name in (PROGRESS_FILE, BUILD_FILE):
+            (work / name).unlink(missing_ok=True)
+        put_in_place(work, out_dir, overwrite)
     return header
 
 
@@ -315,28 +337,6 @@ def _limit_keys(documents: Iterable[TokenDocument], max_keys: int | None) -> Ite
             return
         total += doc.keys
         yield doc
-
-
-def _prepare_work_dir(work: Path, params: dict) -> None:
-    build_file = work / BUILD_FILE
-    if work.exists():
-        try:
-            previous = json.loads(build_file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            previous = None
-        if previous != params:
-            raise DatastoreError(f"{work} holds an unfinished build with other inputs or settings; remove it to "
-                                 "start over, or resume with the same command")
-        log.info("resuming the dense build in %s", work)
-        return
-    work.mkdir(parents=True)
-    _write_json_atomic(build_file, params)
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _read_progress(work: Path) -> tuple[int, int]:
@@ -366,7 +366,7 @@ def _embed_documents(target, documents: list[TokenDocument], work: Path, config:
                 handle.flush()
                 os.fsync(handle.fileno())
             rows += keys.shape[0]
-            _write_json_atomic(work / PROGRESS_FILE, {"documents": end, "rows": rows})
+            write_json_atomic(work / PROGRESS_FILE, {"documents": end, "rows": rows})
             bar.update(keys.shape[0])
     bar.close()
     return rows
@@ -470,6 +470,7 @@ def _finish(target, work: Path, index, normaliser: KeyNormaliser, explained: np.
     header = new_header(
         KIND, target.name, target.tokenizer_fingerprint,
         model={"name": target.name, "fingerprint": target.model_fingerprint, "hidden_size": target.hidden_size},
+        vocab_size=target.vocab_size,
         keys=rows, pca_dim=config.pca_dim, next_tokens=config.next_tokens,
         explained_variance=round(float(explained.sum()), 4),
         index={"type": config.index, "file": INDEX_FILE, "bytes": (work / INDEX_FILE).stat().st_size},

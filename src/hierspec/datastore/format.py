@@ -3,19 +3,15 @@
 A datastore is a directory holding ``header.json`` and raw little-endian array files. The header carries a magic
 string, the format version, the store kind, the tokenizer's name and fingerprint, creation time and, for every
 array file, its dtype and shape, so that a truncated or foreign file is refused before it is memory-mapped.
-Directories are written under a temporary name beside the target and renamed into place at the end: an interrupted
-build never leaves a directory that loads.
+Directories are written under a temporary name beside the target and put in place at the end
+(:mod:`hierspec.datastore.output`): an interrupted build never leaves a directory that loads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,24 +59,6 @@ def new_header(kind: str, tokenizer_name: str, fingerprint: str, **fields) -> di
     }
 
 
-@contextlib.contextmanager
-def atomic_directory(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``out_dir`` only if the block finishes without error."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise DatastoreError(f"{out_dir} already exists; remove it or pass --overwrite")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        yield tmp
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def write_array(directory: Path, name: str, array: np.ndarray) -> dict:
     """Write an array as raw bytes; return its header entry (file, dtype, shape)."""
     array = np.ascontiguousarray(array)
@@ -93,11 +71,17 @@ def write_array(directory: Path, name: str, array: np.ndarray) -> dict:
 
 def write_header(directory: Path, header: dict) -> None:
     """Write ``header.json`` (last, so that a directory without it is recognisably incomplete)."""
-    (directory / HEADER_FILE).write_text(json.dumps(header, indent=2) + "\n", encoding="utf-8")
+    path = directory / HEADER_FILE
+    tmp = path.with_name(f".{HEADER_FILE}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(json.dumps(header, indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def read_header(directory: str | Path, kind: str | None = None) -> dict:
-    """Read and validate a datastore header: magic, version and (optionally) kind."""
+    """Read and validate a datastore header: magic, version, kind and tokenizer fields (and optionally the kind)."""
     directory = Path(directory)
     path = directory / HEADER_FILE
     if not directory.is_dir():
@@ -106,25 +90,66 @@ def read_header(directory: str | Path, kind: str | None = None) -> dict:
         raise DatastoreError(f"{directory} is not a hierspec datastore (no {HEADER_FILE}; an unfinished build?)")
     try:
         header = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise DatastoreError(f"{path} is corrupt: {exc}") from exc
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise DatastoreError(f"{directory} is not a hierspec datastore (wrong magic)")
     version = header.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if type(version) is not int or version < 1:
+        raise DatastoreError(f"{directory}: format_version {version!r} is not a format version; the header is corrupt")
+    if version > FORMAT_VERSION:
         raise DatastoreError(
             f"{directory} has format version {version}; this hierspec reads up to {FORMAT_VERSION}: upgrade hierspec"
         )
-    if kind is not None and header.get("kind") != kind:
-        raise DatastoreError(f"{directory} is a {header.get('kind')!r} datastore, not {kind!r}")
+    tokenizer = header.get("tokenizer")
+    if not isinstance(header.get("kind"), str) or not isinstance(tokenizer, dict) or not isinstance(
+            tokenizer.get("fingerprint"), str):
+        raise DatastoreError(f"{path} lacks a valid kind or tokenizer fingerprint; the header is corrupt")
+    if kind is not None and header["kind"] != kind:
+        raise DatastoreError(f"{directory} is a {header['kind']!r} datastore, not {kind!r}")
     return header
 
 
-def open_array(directory: Path, entry: dict) -> np.ndarray:
-    """Memory-map an array file described by a header entry, refusing files of the wrong size."""
-    path = directory / entry["file"]
-    dtype = np.dtype(entry["dtype"])
-    shape = tuple(entry["shape"])
+def header_int(header: dict, key: str, directory: Path, minimum: int = 0) -> int:
+    """An integer header field of at least ``minimum``, or a clear error."""
+    value = header.get(key)
+    if type(value) is not int or value < minimum:
+        raise DatastoreError(f"{directory}/{HEADER_FILE}: {key} must be an integer >= {minimum}, not {value!r}; "
+                             "the header is corrupt")
+    return value
+
+
+def header_dict(header: dict, key: str, directory: Path) -> dict:
+    """A dict-valued header field, or a clear error."""
+    value = header.get(key)
+    if not isinstance(value, dict):
+        raise DatastoreError(f"{directory}/{HEADER_FILE}: {key} must be an object, not {value!r}; the header is "
+                             "corrupt")
+    return value
+
+
+def open_array(directory: Path, entry, dtypes: tuple[str, ...] | None = None, ndim: int | None = None) -> np.ndarray:
+    """Memory-map an array file described by a header entry ``{"file", "dtype", "shape"}``.
+
+    Refuses an entry that is malformed, a file name that is not a plain name inside ``directory``, a dtype outside
+    ``dtypes`` (e.g. ``("<u2", "<u4")``), a shape of another rank than ``ndim`` and a file of the wrong size.
+    """
+    where = f"{directory}/{HEADER_FILE}"
+    if not isinstance(entry, dict):
+        raise DatastoreError(f"{where}: an array entry is {entry!r}, not an object; the header is corrupt")
+    name, dtype_text, shape = entry.get("file"), entry.get("dtype"), entry.get("shape")
+    if not isinstance(name, str) or not name or name in {".", ".."} or "/" in name or "\\" in name or "\x00" in name:
+        raise DatastoreError(f"{where}: array file {name!r} is not a plain file name inside the store")
+    if not isinstance(dtype_text, str) or (dtypes is not None and dtype_text not in dtypes):
+        raise DatastoreError(f"{where}: {name} has dtype {dtype_text!r}; expected one of {dtypes}")
+    try:
+        dtype = np.dtype(dtype_text)
+    except TypeError as exc:
+        raise DatastoreError(f"{where}: {name} has an unknown dtype {dtype_text!r}") from exc
+    if not isinstance(shape, list) or any(type(d) is not int or d < 0 for d in shape) or (
+            ndim is not None and len(shape) != ndim):
+        raise DatastoreError(f"{where}: {name} has shape {shape!r}, not a list of {ndim or 'some'} sizes")
+    path = directory / name
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if not path.is_file():
         raise DatastoreError(f"{path} is missing")
@@ -134,7 +159,7 @@ def open_array(directory: Path, entry: dict) -> np.ndarray:
                              "corrupt; rebuild the datastore")
     if expected == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+    return np.memmap(path, dtype=dtype, mode="r", shape=tuple(shape))
 
 
 def check_tokenizer(header: dict, directory: Path, fingerprint: str, tokenizer_name: str) -> None:

@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -21,7 +23,16 @@ import numpy as np
 from tqdm import tqdm
 
 from hierspec.datastore.corpus import iter_json_array
-from hierspec.datastore.format import DatastoreError, read_header
+from hierspec.datastore.format import DatastoreError
+from hierspec.datastore.output import (
+    BUILD_FILE,
+    build_lock,
+    check_output_path,
+    check_replaceable,
+    put_in_place,
+    remove_stale_temporaries,
+    resumable_work_dir,
+)
 from hierspec.datastore.ngram import check_gram_shape, count_ngrams, top_ngrams, write_ngram_table
 from hierspec.errors import InputError
 from hierspec.jsonl import iter_jsonl
@@ -29,7 +40,6 @@ from hierspec.jsonl import iter_jsonl
 log = logging.getLogger(__name__)
 
 GENERATIONS_FILE = "generations.jsonl"
-BUILD_FILE = "build.json"
 _USER_ROLES = frozenset({"user", "human"})
 
 
@@ -128,29 +138,66 @@ def _mostly_ascii(text: str) -> bool:
 
 def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, config: ModelStoreConfig,
                       overwrite: bool = False, prompt_source: str = "") -> dict:
-    """Generate answers with ``target`` (resumably), count their n-grams and write the table; return the header."""
-    out_dir = Path(out_dir)
+    """Generate answers with ``target`` (resumably), count their n-grams and write the table; return the header.
+
+    The build works in ``.NAME.partial/`` beside ``out_dir`` (an interrupted build resumes there) and is put in place
+    at the end (:mod:`hierspec.datastore.output`). Rerunning on a finished store with the same prompts only
+    recounts its n-grams: the old table stays readable until the new one replaces it.
+    """
+    out_dir = check_output_path(Path(out_dir))
     prompts = list(prompts if config.limit is None else _take(prompts, config.limit))
     if not prompts:
         raise InputError("no prompts to generate from")
-    params = _build_params(target, prompts, config, prompt_source)
-    _prepare_directory(out_dir, params, overwrite)
-    start = time.perf_counter()
-    done = load_generations(out_dir / GENERATIONS_FILE)
-    generate_missing(target, prompts, out_dir / GENERATIONS_FILE, done, config)
-    records = load_generations(out_dir / GENERATIONS_FILE)
-    docs = [np.asarray(r["context_tail"][-config.key_len :] + r["token_ids"], dtype=np.int64)
-            for r in (records[i] for i in range(len(prompts)))]
-    grams, counts = count_ngrams(docs, config.key_len + config.value_len)
-    grams, counts = top_ngrams(grams, counts, config.top_k, config.key_len)
-    generated = sum(len(r["token_ids"]) for r in records.values())
-    seconds = sum(r.get("seconds", 0.0) for r in records.values())
-    return write_ngram_table(
-        out_dir, grams, counts, config.key_len, target.vocab_size, target.name, target.tokenizer_fingerprint,
-        model=target.name, num_prompts=len(prompts), generated_tokens=generated, generation_seconds=round(seconds, 1),
-        build_seconds=round(time.perf_counter() - start, 1), top_k=config.top_k, prompt_source=prompt_source,
-        method=config.method, max_new_tokens=config.max_new_tokens,
-    )
+    params = _build_params(target, prompts, config)
+    with build_lock(out_dir):
+        remove_stale_temporaries(out_dir)
+        work = _work_dir(out_dir, params, overwrite)
+        start = time.perf_counter()
+        done = load_generations(work / GENERATIONS_FILE)
+        generate_missing(target, prompts, work / GENERATIONS_FILE, done, config)
+        records = load_generations(work / GENERATIONS_FILE)
+        docs = [np.asarray(r["context_tail"][-config.key_len :] + r["token_ids"], dtype=np.int64)
+                for r in (records[i] for i in range(len(prompts)))]
+        grams, counts = count_ngrams(docs, config.key_len + config.value_len)
+        grams, counts = top_ngrams(grams, counts, config.top_k, config.key_len)
+        generated = sum(len(r["token_ids"]) for r in records.values())
+        seconds = sum(r.get("seconds", 0.0) for r in records.values())
+        header = write_ngram_table(
+            work, grams, counts, config.key_len, target.vocab_size, target.name, target.tokenizer_fingerprint,
+            model=target.name, num_prompts=len(prompts), generated_tokens=generated,
+            generation_seconds=round(seconds, 1), build_seconds=round(time.perf_counter() - start, 1),
+            top_k=config.top_k, prompt_source=prompt_source, method=config.method,
+            max_new_tokens=config.max_new_tokens,
+        )
+        put_in_place(work, out_dir, overwrite=True if _same_build(out_dir, params) else overwrite)
+    return header
+
+
+def _work_dir(out_dir: Path, params: dict, overwrite: bool) -> Path:
+    """Where this build writes: a copy of a finished store of the same prompts (a recount), an unfinished build
+    left in ``out_dir`` by an older hierspec (adopted), or the resumable ``.NAME.partial``."""
+    if _same_build(out_dir, params) and (out_dir / "header.json").is_file():
+        work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        for name in (BUILD_FILE, GENERATIONS_FILE):
+            shutil.copy2(out_dir / name, work / name)
+        return work
+    if _same_build(out_dir, params) and not (out_dir.parent / f".{out_dir.name}.partial").exists():
+        os.rename(out_dir, out_dir.parent / f".{out_dir.name}.partial")
+    elif out_dir.exists() and (out_dir / BUILD_FILE).is_file() and not overwrite:
+        raise DatastoreError(f"{out_dir} holds a build of other prompts or settings; pass --overwrite to replace it")
+    else:
+        check_replaceable(out_dir, overwrite)
+    return resumable_work_dir(out_dir, params, restart=overwrite)
+
+
+def _same_build(out_dir: Path, params: dict) -> bool:
+    """True when ``out_dir`` holds the generations of a build with these parameters."""
+    try:
+        previous = json.loads((out_dir / BUILD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    previous.pop("prompt_source", None)  # written by older hierspec; the prompts' digest identifies them
+    return previous == params
 
 
 def _take(items: Iterable[str], n: int) -> Iterator[str]:
@@ -160,35 +207,11 @@ def _take(items: Iterable[str], n: int) -> Iterator[str]:
         yield item
 
 
-def _build_params(target, prompts: list[str], config: ModelStoreConfig, prompt_source: str) -> dict:
+def _build_params(target, prompts: list[str], config: ModelStoreConfig) -> dict:
+    """What the generations depend on: a build with other parameters cannot resume or recount this one's."""
     digest = hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
     return {"model": target.name, "tokenizer_fingerprint": target.tokenizer_fingerprint,
-            "max_new_tokens": config.max_new_tokens, "num_prompts": len(prompts), "prompts_sha256": digest,
-            "prompt_source": prompt_source}
-
-
-def _prepare_directory(out_dir: Path, params: dict, overwrite: bool) -> None:
-    """Create ``out_dir`` or check that it holds a resumable build with the same parameters."""
-    build_file = out_dir / BUILD_FILE
-    if out_dir.exists() and overwrite:
-        for name in ("header.json", BUILD_FILE, GENERATIONS_FILE, "ngrams.tokens", "ngrams.counts"):
-            (out_dir / name).unlink(missing_ok=True)
-    elif out_dir.exists() and any(out_dir.iterdir()):
-        if (out_dir / "header.json").exists():
-            read_header(out_dir)  # a finished store of another kind should say so
-        if not build_file.is_file():
-            raise DatastoreError(f"{out_dir} exists and is not a model-store build; remove it or pass --overwrite")
-        previous = json.loads(build_file.read_text(encoding="utf-8"))
-        changed = [k for k in params if previous.get(k) != params[k] and k != "prompt_source"]
-        if changed:
-            raise DatastoreError(f"{out_dir} holds a build with different {', '.join(changed)}; "
-                                 "pass --overwrite to start again")
-        (out_dir / "header.json").unlink(missing_ok=True)  # the table is rewritten from all generations
-        return
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = build_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(params, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, build_file)
+            "max_new_tokens": config.max_new_tokens, "num_prompts": len(prompts), "prompts_sha256": digest}
 
 
 def load_generations(path: Path) -> dict[int, dict]:

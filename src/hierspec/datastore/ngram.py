@@ -23,6 +23,8 @@ import numpy as np
 from hierspec.datastore.format import (
     DatastoreError,
     check_tokenizer,
+    header_dict,
+    header_int,
     new_header,
     open_array,
     read_header,
@@ -125,21 +127,30 @@ class NgramTable:
              top_k: int | None = None) -> NgramTable:
         """Open and validate a table; with ``fingerprint``, refuse one built with another tokenizer.
 
-        ``top_k`` keeps only the most frequent grams (ties: table order).
+        ``top_k`` keeps only the most frequent grams (ties: table order). The table is small (the most frequent
+        grams only), so opening checks every token id against the vocabulary.
         """
         directory = Path(directory)
         header = read_header(directory, kind=KIND)
         if fingerprint is not None:
             check_tokenizer(header, directory, fingerprint, tokenizer_name)
-        try:
-            grams = open_array(directory, header["arrays"]["tokens"])
-            counts = open_array(directory, header["arrays"]["counts"])
-            key_len, value_len = int(header["key_len"]), int(header["value_len"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DatastoreError(f"{directory}/header.json is incomplete or corrupt: {exc}") from exc
-        if grams.ndim != 2 or grams.shape[1] != key_len + value_len or counts.shape != (grams.shape[0],):
+        key_len = header_int(header, "key_len", directory, minimum=1)
+        value_len = header_int(header, "value_len", directory, minimum=1)
+        vocab_size = header_int(header, "vocab_size", directory, minimum=1)
+        arrays = header_dict(header, "arrays", directory)
+        grams = open_array(directory, arrays.get("tokens"), ("<u2", "<u4"), ndim=2)
+        counts = open_array(directory, arrays.get("counts"), ("<u4",), ndim=1)
+        if grams.shape[1] != key_len + value_len or counts.shape != (grams.shape[0],):
             raise DatastoreError(f"{directory}: table shapes disagree with the header; rebuild the datastore")
+        if grams.size and int(grams.max()) >= vocab_size:
+            raise DatastoreError(f"{directory} holds token ids outside the vocabulary of {vocab_size}; rebuild it")
         return cls(directory, header, grams, counts, top_k)
+
+    def verify(self) -> dict:
+        """The checks :meth:`open` does not make: counts positive, keys sorted."""
+        if self._counts.size and int(self._counts.min()) < 1:
+            raise DatastoreError(f"{self.directory}: a gram has count 0; rebuild the datastore")
+        return {"grams": len(self), "keys": len(self._slices), "ok": True}
 
     def __len__(self) -> int:
         return int(self._counts.shape[0])

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from hierspec.datastore.format import (
     DatastoreError,
-    atomic_directory,
     check_tokenizer,
+    header_int,
     new_header,
     open_array,
     read_header,
@@ -32,13 +32,22 @@ from hierspec.datastore.format import (
     write_array,
     write_header,
 )
-from hierspec.datastore.suffix_search import as_pattern, gather_continuations, sa_range
+from hierspec.datastore.output import build_output
+from hierspec.datastore.suffix_search import (
+    as_pattern,
+    first_bad_token,
+    gather_continuations,
+    sa_range,
+    suffix_array_fault,
+)
 from hierspec.errors import InputError
 
 log = logging.getLogger(__name__)
 
 KIND = "suffix"
 _INT32_LIMIT = np.iinfo(np.int32).max
+_TOKEN_DTYPES = ("<u2", "<u4")
+_SA_DTYPES = ("<i4", "<i8")
 
 
 @dataclass(frozen=True)
@@ -92,7 +101,7 @@ def build_suffix_store(
     dtype = token_dtype(len(tokenizer))
     separator = separator_id(dtype)
     start = time.perf_counter()
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with build_output(out_dir, overwrite=overwrite) as tmp:
         shards: list[dict] = []
         pending: list[np.ndarray] = []
         pending_tokens = 0
@@ -156,13 +165,20 @@ class Match:
 
 
 class SuffixStore:
-    """A suffix-array store opened by memory map (nothing is copied into RAM)."""
+    """A suffix-array store opened by memory map (nothing is copied into RAM).
 
-    def __init__(self, directory: Path, header: dict, shards: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    Opening checks everything that is cheap (header fields and types, file names, dtypes, sizes); :meth:`verify`
+    reads every array. The search kernels never read outside their arrays, so even a store whose arrays were
+    corrupted after it was built yields wrong drafts (which verification rejects), never a crash.
+    """
+
+    def __init__(self, directory: Path, header: dict, shards: list[tuple[np.ndarray, np.ndarray]],
+                 vocab_size: int, separator: int) -> None:
         self.directory = directory
         self.header = header
         self.shards = shards
-        self.separator = int(header["separator"])
+        self.vocab_size = vocab_size
+        self.separator = separator
 
     @classmethod
     def open(cls, directory: str | Path, fingerprint: str | None = None, tokenizer_name: str = "") -> SuffixStore:
@@ -171,15 +187,39 @@ class SuffixStore:
         header = read_header(directory, kind=KIND)
         if fingerprint is not None:
             check_tokenizer(header, directory, fingerprint, tokenizer_name)
-        try:
-            shards = [(open_array(directory, s["tokens"]), open_array(directory, s["suffix_array"]))
-                      for s in header["shards"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise DatastoreError(f"{directory}/header.json is incomplete or corrupt: {exc}") from exc
+        vocab_size = header_int(header, "vocab_size", directory, minimum=1)
+        separator = header_int(header, "separator", directory)
+        total = header_int(header, "num_tokens", directory)
+        entries = header.get("shards")
+        if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+            raise DatastoreError(f"{directory}/header.json: shards must be a non-empty list; the header is corrupt")
+        shards = [(open_array(directory, e.get("tokens"), _TOKEN_DTYPES, ndim=1),
+                   open_array(directory, e.get("suffix_array"), _SA_DTYPES, ndim=1)) for e in entries]
         for tokens, sa in shards:
             if tokens.shape != sa.shape:
                 raise DatastoreError(f"{directory}: a token file and its suffix array differ in length; rebuild")
-        return cls(directory, header, shards)
+            if separator != separator_id(tokens.dtype) or vocab_size > separator:
+                raise DatastoreError(f"{directory}: separator {separator} and vocab_size {vocab_size} do not fit the "
+                                     f"token dtype {tokens.dtype}; the header is corrupt")
+        if sum(t.shape[0] for t, _ in shards) != total:
+            raise DatastoreError(f"{directory}: num_tokens {total} differs from the shards' lengths; rebuild")
+        return cls(directory, header, shards, vocab_size, separator)
+
+    def verify(self) -> dict:
+        """Read every array: token ids in the vocabulary (or the separator), each suffix array a sorted permutation
+        of its shard's positions. Raises :class:`DatastoreError` at the first fault; returns what was checked."""
+        for index, (tokens, sa) in enumerate(tqdm(self.shards, desc="verifying shards", unit="shard")):
+            where = f"{self.directory}: shard {index}"
+            if tokens.shape[0] and tokens[-1] != self.separator:
+                raise DatastoreError(f"{where} does not end with the document separator")
+            bad = first_bad_token(tokens, self.vocab_size, self.separator)
+            if bad >= 0:
+                raise DatastoreError(f"{where} holds token id {int(tokens[bad])} at position {bad}, outside the "
+                                     f"vocabulary of {self.vocab_size}")
+            fault = suffix_array_fault(tokens, sa)
+            if fault:
+                raise DatastoreError(f"{where}: {fault}; rebuild the datastore")
+        return {"shards": len(self.shards), "tokens": self.num_tokens, "ok": True}
 
     @property
     def num_tokens(self) -> int:
@@ -205,7 +245,8 @@ class SuffixStore:
         for (tokens, sa), (lo, hi) in zip(self.shards, match.ranges):
             if hi > lo:
                 share = max(1, (k * (hi - lo)) // total)
-                parts.append(gather_continuations(tokens, sa, lo, hi, match.length, share, m, self.separator))
+                parts.append(gather_continuations(tokens, sa, lo, hi, match.length, share, m, self.separator,
+                                                  self.vocab_size))
         return np.concatenate(parts) if parts else np.empty((0, m), dtype=np.int64)
 
     def info(self) -> dict:

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health and metrics.
 
-Every error — malformed JSON, schema violations, unsupported parameters, unknown model, over-long prompts, a full
-queue, a missing API key — is answered with OpenAI's error JSON (``{"error": {"message", "type", "param",
-"code"}}``) and a 4xx status, never a stack trace.
+Every error — malformed JSON or text, schema violations, unsupported parameters, unknown model or path, over-long
+prompts, an over-large body, a full queue, a missing API key — is answered with OpenAI's error JSON (``{"error":
+{"message", "type", "param", "code"}}``) and a 4xx status, never a stack trace. Prompts are tokenized in a worker
+thread, so a large one never stalls the event loop (``/health`` keeps answering).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hierspec.decode import GenerationResult
 from hierspec.errors import InputError
@@ -37,6 +40,7 @@ class ServerConfig:
         max_queue: requests that may wait while one generates; more get 429.
         timeout_s: per-request deadline, queueing included.
         default_max_tokens: ``max_tokens`` when a request gives none.
+        max_body_bytes: larger request bodies are refused with 413 before they are read in full.
     """
 
     model_name: str
@@ -44,6 +48,11 @@ class ServerConfig:
     max_queue: int = 64
     timeout_s: float = 300.0
     default_max_tokens: int = 256
+    max_body_bytes: int = 1 << 20
+
+
+#: the paths the server answers; metrics label every other path "other", so made-up paths add no series
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 
 
 class ApiError(Exception):
@@ -64,11 +73,18 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI application serving ``target`` through ``engine``."""
-    app = FastAPI(title="hierspec", docs_url=None, redoc_url=None)
+    app = FastAPI(title="hierspec", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError):
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return ApiError(exc.status_code, str(exc.detail), kind=kind, code=code).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError):
@@ -86,10 +102,10 @@ def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metric
             given = request.headers.get("authorization", "")
             if not secrets.compare_digest(given.encode(), f"Bearer {config.api_key}".encode()):
                 response = ApiError(401, "invalid or missing API key", code="invalid_api_key").response()
-                metrics.observe_request(request.url.path, 401, time.perf_counter() - start)
+                metrics.observe_request(_route_label(request.url.path), 401, time.perf_counter() - start)
                 return response
         response = await call_next(request)
-        metrics.observe_request(request.url.path, response.status_code, time.perf_counter() - start)
+        metrics.observe_request(_route_label(request.url.path), response.status_code, time.perf_counter() - start)
         return response
 
     @app.get("/health")
@@ -111,7 +127,8 @@ def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metric
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, config)
         gen = _generation_config(body, config)
-        prompt_ids = _encode(lambda: target.encode_prompt(body.prompt_text(), raw=True), gen.max_new_tokens, target)
+        prompt_ids = await _encode(lambda: target.encode_prompt(body.prompt_text(), raw=True), gen.max_new_tokens,
+                                   target)
         job = _submit(engine, prompt_ids, gen)
         return await _respond(job, request, body.stream, _include_usage(body), len(prompt_ids), "completion",
                               config.model_name)
@@ -120,7 +137,7 @@ def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metric
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check_model(body.model, config)
         gen = _generation_config(body, config)
-        prompt_ids = _encode(lambda: target.encode_messages(body.chat_messages()), gen.max_new_tokens, target)
+        prompt_ids = await _encode(lambda: target.encode_messages(body.chat_messages()), gen.max_new_tokens, target)
         job = _submit(engine, prompt_ids, gen)
         return await _respond(job, request, body.stream, _include_usage(body), len(prompt_ids), "chat",
                               config.model_name)
@@ -141,9 +158,13 @@ def _generation_config(body, config: ServerConfig):
         raise ApiError(400, str(exc)) from None
 
 
-def _encode(encode, max_tokens: int, target: TargetModel) -> list[int]:
+def _route_label(path: str) -> str:
+    return path if path in ROUTES else "other"
+
+
+async def _encode(encode, max_tokens: int, target: TargetModel) -> list[int]:
     try:
-        ids = encode()
+        ids = await run_in_threadpool(encode)
     except InputError as exc:
         raise ApiError(400, str(exc), param="prompt") from None
     if len(ids) + max_tokens > target.max_context:
@@ -151,6 +172,37 @@ def _encode(encode, max_tokens: int, target: TargetModel) -> list[int]:
                             f"{len(ids)} and max_tokens asks for {max_tokens}", param="max_tokens",
                        code="context_length_exceeded")
     return ids
+
+
+class BodyLimit:
+    """ASGI middleware refusing request bodies over ``max_bytes`` with 413: at once when ``Content-Length`` says so,
+    else as soon as the streamed body passes the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await ApiError(413, self._message(), code="request_too_large").response()(scope, receive, send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI passes HTTPExceptions from body reading through
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds this server's limit of {self.max_bytes} bytes (--max-body-bytes)"
 
 
 def _submit(engine: Engine, prompt_ids: list[int], gen) -> Job:

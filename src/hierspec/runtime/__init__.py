@@ -1,0 +1,140 @@
+"""The verification runtime beneath :class:`~hierspec.target.TargetModel`: how a tree forward runs on a device.
+
+It owns what makes a forward cheap and leaves the model's code untouched:
+
+* :mod:`~hierspec.runtime.onednn` — on CPU in float32 or bfloat16, every ``nn.Linear`` computes with a oneDNN
+  prepacked weight (the one place that uses PyTorch's private ops; eager fallback with one log line);
+* :mod:`~hierspec.runtime.attention` — tree attention registered through transformers' ``AttentionInterface``,
+  attending grouped-query caches in place;
+* :mod:`~hierspec.runtime.kv_cache` — a KV cache in preallocated, doubling buffers, compacted in place;
+* :mod:`~hierspec.runtime.inputs` — ids, positions and mask written into reused buffers, padded to a few bucket
+  sizes, so a row's result does not depend on the tree around it.
+
+Drafters and the decoding loop know none of this. BENCHMARKS.md ("Runtime") gives what each piece bought.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hierspec.errors import InputError
+from hierspec.runtime import attention
+from hierspec.runtime.fusion import fuse_shared_inputs
+from hierspec.runtime.inputs import TreeInputs, bucket_for
+from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache
+from hierspec.runtime.onednn import LinearPacking, probe
+
+log = logging.getLogger(__name__)
+
+RUNTIME_KINDS = ("auto", "packed", "eager")
+#: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
+#: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
+#: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
+PACKED_BUCKETS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+#: key/value views and masks of tree forwards are this many slots wide, rounded up, on the packed runtime
+PACKED_KV_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How verification forwards run.
+
+    Attributes:
+        kind: ``"auto"`` (prepacked oneDNN linears on CPU in float32/bfloat16 where they work, else eager),
+            ``"packed"`` (the same, but an error where packing is unavailable) or ``"eager"`` (PyTorch's own
+            linears: no second copy of the weights in memory).
+        buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed, no padding otherwise.
+    """
+
+    kind: str = "auto"
+    buckets: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in RUNTIME_KINDS:
+            raise InputError(f"unknown runtime {self.kind!r}: use {', '.join(RUNTIME_KINDS)}")
+        if self.buckets is not None and (any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(
+                set(self.buckets))):
+            raise InputError("runtime buckets must be increasing positive row counts")
+
+
+class Runtime:
+    """Forward machinery for one loaded model, chosen by device, dtype and :class:`RuntimeConfig`."""
+
+    def __init__(self, model: torch.nn.Module, config: RuntimeConfig | None = None) -> None:
+        self.model = model
+        self.config = config or RuntimeConfig()
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        self._stock_attention = model.config._attn_implementation
+        self.fused_groups: list = []
+        self.packing = self._pack_linears()
+        model.set_attn_implementation(attention.register())
+        self.kind = "packed" if self.packing is not None else "eager"
+        default = PACKED_BUCKETS if self.packing is not None else ()
+        self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
+        self.align = PACKED_KV_ALIGN if self.packing is not None else 1
+        text_config = model.config.get_text_config(decoder=True)
+        self.num_layers = int(text_config.num_hidden_layers)
+        heads = int(getattr(text_config, "num_attention_heads", 1))
+        self.inputs = TreeInputs(self.device, groups=heads // int(getattr(text_config, "num_key_value_heads", heads)),
+                                 align=self.align)
+
+    def _pack_linears(self) -> LinearPacking | None:
+        if self.config.kind == "eager":
+            return None
+        reason = "the model is not on the CPU" if self.device.type != "cpu" else probe(self.dtype)
+        if reason is not None:
+            if self.config.kind == "packed":
+                raise InputError(f"the packed runtime is unavailable: {reason}")
+            log.info("eager linear layers: %s", reason)
+            return None
+        packing = LinearPacking(self.model)
+        self.fused_groups = fuse_shared_inputs(self.model, torch.arange(4).unsqueeze(0))
+        return packing
+
+    def describe(self) -> dict:
+        """What runs, for benchmark records."""
+        return {"kind": self.kind, "buckets": list(self.buckets),
+                "packed_linears": len(self.packing) if self.packing is not None else 0,
+                "fused_groups": len(self.fused_groups)}
+
+    def new_cache(self, capacity: int | None = None) -> TreeCache:
+        """An empty KV cache with room for ``capacity`` entries before it grows."""
+        return TreeCache(self.num_layers, capacity or DEFAULT_CAPACITY)
+
+    def rows_for(self, tree_size: int) -> int:
+        """Rows a tree of ``tree_size`` nodes is verified in."""
+        return bucket_for(tree_size, self.buckets)
+
+    @torch.inference_mode()
+    def forward_tree(self, cache: TreeCache, tree, want_hidden: bool = False):
+        """One verification forward of ``tree`` on top of ``cache``: ``(logits [n, vocab], hidden [n, h] | None)``.
+
+        The cache grows by the padded row count; the caller keeps the accepted entries afterwards.
+        """
+        past = cache.get_seq_length()
+        ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
+        with cache.aligned(self.align):
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+                             use_cache=True, output_hidden_states=want_hidden,
+                             logits_to_keep=self.inputs.row_index(tree.size))
+        hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
+        return out.logits[0], hidden
+
+    @contextlib.contextmanager
+    def stock(self) -> Iterator[None]:
+        """Run the block on the model exactly as transformers loaded it (its own linears and attention)."""
+        if self.packing is not None:
+            self.packing.stock()
+        self.model.set_attn_implementation(self._stock_attention)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(attention.NAME)
+            if self.packing is not None:
+                self.packing.packed()

@@ -1,0 +1,57 @@
+"""Tree attention registered through transformers' public ``AttentionInterface`` (no model file is edited).
+
+transformers' own SDPA path copies every cached key and value ``num_key_value_groups`` times (``repeat_kv``) when a
+mask is given and more than one query is verified — the whole KV cache, every layer, every verification. Here the
+query heads of a group are folded into the query rows instead (what transformers does for one query only), for any
+number of queries, so grouped-query models attend to the cache in place. One code path for every query count also
+keeps a tree node's attention output equal to a plain decoding step's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "hierspec_tree"
+
+
+def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Scaled dot-product attention with grouped query heads folded into rows.
+
+    Shapes: ``query [b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, k, d]``, ``attention_mask`` ``[b|1, 1, q,
+    k]`` (bool, True = attend), already folded as ``[b|1, 1, g * q, k]`` (the runtime's tree masks, folded once per
+    forward rather than once per layer), or ``None`` (causal when ``q == k``, else unmasked). Returns
+    ``[b, q, heads, d]``.
+    """
+    batch, heads, q_len, dim = query.shape
+    groups = heads // key.shape[1]
+    if groups > 1:
+        # [b, kv_heads * g, q, d] -> [b, kv_heads, g * q, d]: row j * q + i is query i of the group's j-th head
+        query = query.reshape(batch, key.shape[1], groups * q_len, dim)
+        if attention_mask is not None and attention_mask.shape[-2] != groups * q_len:
+            attention_mask = attention_mask.repeat(1, 1, groups, 1)
+    causal = attention_mask is None and q_len > 1 and groups == 1 and key.shape[2] == q_len
+    if attention_mask is None and q_len > 1 and not causal:
+        attention_mask = _causal_rows(q_len, key.shape[2], groups, query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, is_causal=causal)
+    out = out.reshape(batch, heads, q_len, value.shape[-1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _causal_rows(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:
+    """Bottom-right aligned causal mask ``[1, 1, groups * q, kv]`` (the last query sees every key)."""
+    rows = torch.arange(q_len, device=device).repeat(groups)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    return (cols <= rows + (kv_len - q_len))[None, None]
+
+
+def register() -> str:
+    """Register the attention function and its mask builder (transformers' SDPA masks) under :data:`NAME`."""
+    AttentionInterface.register(NAME, tree_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

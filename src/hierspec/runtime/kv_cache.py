@@ -1,0 +1,145 @@
+"""A KV cache in preallocated buffers, compacted in place after each verification.
+
+transformers' ``DynamicCache`` concatenates every new key and value onto the whole cache (a full copy per layer per
+step), and dropping rejected tree nodes then costs a gather, a crop and a re-append. :class:`TreeCache` keeps each
+layer's keys and values in one buffer ``[batch, kv_heads, capacity, head_dim]`` that doubles when full: a forward
+writes its entries after the committed ones and attends to a view, and :meth:`TreeCache.keep` moves the accepted
+path's entries to their final slots (a copy of at most a few rows). It is a ``transformers.Cache`` of
+``CacheLayerMixin`` layers, so an unmodified model uses it through the public cache API.
+
+Inside :meth:`TreeCache.aligned`, a layer hands attention a view whose length is rounded up to a multiple of the
+alignment: the slots past the held entries are finite (buffers start zeroed) and the caller's mask hides them. CPU
+attention kernels compute the last, partial vector of keys differently from full ones, so without alignment a
+token's attention output would depend on how many tree nodes were verified beside it; aligned, it does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+#: slots a layer's buffer starts with when no size is given
+DEFAULT_CAPACITY = 256
+
+
+class GrowableLayer(CacheLayerMixin):
+    """One layer's keys and values: ``length`` committed-or-pending entries in a buffer of ``capacity`` slots."""
+
+    is_sliding = False
+    is_croppable = True
+    is_compileable = False
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.align = 1
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, _ = key_states.shape
+        self._keys = key_states.new_zeros((batch, heads, self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]))
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self._publish()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``[batch, kv_heads, n, head_dim]`` entries; return views of every entry held (and, when aligned,
+        of the slots up to the next multiple of the alignment)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        visible = -(-end // self.align) * self.align
+        if visible > self.capacity:
+            self._grow(visible)
+        self._keys[:, :, self.length : end].copy_(key_states)
+        self._values[:, :, self.length : end].copy_(value_states)
+        self.length = end
+        self._publish()
+        return self._keys[:, :, :visible], self._values[:, :, :visible]
+
+    def keep(self, start: int, offsets: torch.Tensor) -> None:
+        """Keep entries ``start + offsets`` (ascending, ``offsets[i] >= i``) as entries ``start .. start + len - 1``
+        and drop everything after them."""
+        if not self.is_initialized:
+            return
+        count = int(offsets.shape[0])
+        index = offsets.to(self._keys.device) + start
+        # advanced indexing reads every source before the slice is written
+        self._keys[:, :, start : start + count] = self._keys.index_select(2, index)
+        self._values[:, :, start : start + count] = self._values.index_select(2, index)
+        self.length = start + count
+        self._publish()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` entries (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of entries to remove")
+        self.length = max(0, self.length + tokens_to_remove)
+        self._publish()
+
+    def reset(self) -> None:
+        self.length = 0
+        self._publish()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def _grow(self, needed: int) -> None:
+        capacity = self.capacity
+        while capacity < needed:
+            capacity *= 2
+        for name in ("_keys", "_values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
+        self.capacity = capacity
+
+    def _publish(self) -> None:
+        """``keys`` / ``values``: views of the held entries, as other cache layers expose them."""
+        if self._keys is not None:
+            self.keys = self._keys[:, :, : self.length]
+            self.values = self._values[:, :, : self.length]
+
+
+class TreeCache(Cache):
+    """A KV cache of :class:`GrowableLayer` layers, one per decoder layer."""
+
+    def __init__(self, num_layers: int, capacity: int = DEFAULT_CAPACITY) -> None:
+        super().__init__(layers=[GrowableLayer(capacity) for _ in range(num_layers)])
+
+    @contextlib.contextmanager
+    def aligned(self, align: int) -> Iterator[None]:
+        """Within the block, attention sees key/value views rounded up to a multiple of ``align`` slots; the
+        forward's mask must be that wide and hide the slots past the entries."""
+        for layer in self.layers:
+            layer.align = align
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.align = 1
+
+    @torch.inference_mode()
+    def keep(self, start: int, kept: Sequence[int]) -> None:
+        """Keep the entries ``start + kept[i]`` (ascending tree node indices, root first) as the new tail and drop the
+        rest of the last forward's entries. ``kept == [0, 1, .., k-1]`` only shortens the cache."""
+        offsets = torch.as_tensor(list(kept), dtype=torch.long)
+        if bool(torch.equal(offsets, torch.arange(offsets.shape[0]))):
+            for layer in self.layers:
+                layer.crop(start + offsets.shape[0] - layer.get_seq_length())
+            return
+        for layer in self.layers:
+            layer.keep(start, offsets)
