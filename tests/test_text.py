@@ -1,8 +1,9 @@
-from hierspec.text import TextAssembler
+from hierspec.text import FullDecode, StreamDecode, TextAssembler
+from tiny import make_tokenizer
 
 
 def _decoder(pieces):
-    return lambda ids: "".join(pieces[i] for i in ids)
+    return FullDecode(lambda ids: "".join(pieces[i] for i in ids))
 
 
 def test_stop_string_cuts_text_and_ends_stream():
@@ -33,7 +34,7 @@ def test_incomplete_utf8_is_held_back():
         text = "".join(pieces[i] for i in ids)
         return text.replace("\ufffdé", "é")
 
-    assembler = TextAssembler(decode)
+    assembler = TextAssembler(FullDecode(decode))
     assert assembler.feed([1, 2]) == "caf"
     assert assembler.feed([3]) == "é"
 
@@ -50,3 +51,18 @@ def test_deltas_concatenate_to_the_final_text():
     assembler = TextAssembler(_decoder(pieces), stop=["t7"])
     out = "".join(assembler.feed([i]) for i in range(10)) + assembler.finish()
     assert out == assembler.text == "t0 t1 t2 t3 t4 t5 t6 "
+
+
+def test_stream_decoding_equals_decoding_everything_again():
+    tokenizer = make_tokenizer(32)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    ids = [3, 5, 7, 0, 9, 11, 2, 2, 30]  # w0 is the end-of-sequence token: skipped
+    streamed, full = TextAssembler(StreamDecode(tokenizer, decode)), TextAssembler(FullDecode(decode))
+    deltas = [streamed.feed(ids[i : i + 2]) for i in range(0, len(ids), 2)]
+    [full.feed(ids[i : i + 2]) for i in range(0, len(ids), 2)]
+    deltas.append(streamed.finish())
+    full.finish()
+    assert "".join(deltas) == streamed.text == full.text == decode(ids)

@@ -19,7 +19,7 @@ from hierspec.accept import Verdict, verify
 from hierspec.config import GenerationConfig
 from hierspec.drafters.base import Drafter
 from hierspec.target import TargetModel
-from hierspec.text import TextAssembler
+from hierspec.text import TextAssembler, make_detokenizer
 
 
 @dataclass
@@ -116,7 +116,7 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[str]:
         target = self._decoder.target
-        assembler = TextAssembler(target.decode, self._config.stop)
+        assembler = TextAssembler(make_detokenizer(target.tokenizer, target.decode), self._config.stop)
         stats = GenerationStats()
         finish = "length"
         steps = self._decoder.steps(self._prompt_ids, self._config, stats)
