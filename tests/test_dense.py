@@ -267,7 +267,7 @@ def test_hd_with_a_dense_source_is_identical(target, corpus, flat_store):
     _, prompts = corpus
     config = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
     retriever = DenseRetriever(flat_store, DenseConfig(k=16, min_score=-1.0))
-    hd = HierarchyDrafter(HierarchyConfig(order="cd", lead="cd", m=4), dense=retriever)
+    hd = HierarchyDrafter(HierarchyConfig(order="cd", lead="cd", m=4, tree="fixed"), dense=retriever)
     assert hd.wants_hidden and hd.sources == ["context", "dense"]
     decoder = SpeculativeDecoder(target, hd)
     dense_accepted = 0

@@ -130,14 +130,16 @@ def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
     model = ModelDatabase(NgramTable.open(tmp_path / "model", target.tokenizer_fingerprint), min_count=1)
     statistics = StatisticsDatabase(SuffixStore.open(tmp_path / "suffix"), value_len=5, n_min=2)
     forwards_by_order = {}
-    for order in ("cms", "smc", "c", "m"):
-        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cms"), model, statistics)
+    for order, tree in (("cms", "fixed"), ("smc", "fixed"), ("c", "fixed"), ("m", "fixed"), ("cms", "scored"),
+                        ("m", "scored")):
+        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cms", tree=tree),
+                                   model, statistics)
         decoder = SpeculativeDecoder(target, drafter)
         forwards = 0
         for prompt, reference in zip(prompts, references):
             result = decoder.generate(prompt, config)
             assert result.token_ids == reference
             forwards += result.stats.target_forwards
-        forwards_by_order[order] = forwards
-    assert forwards_by_order["cms"] < sum(len(r) for r in references)
-    assert forwards_by_order["m"] < sum(len(r) for r in references)
+        forwards_by_order[order, tree] = forwards
+    for key in (("cms", "fixed"), ("m", "fixed"), ("cms", "scored"), ("m", "scored")):
+        assert forwards_by_order[key] < sum(len(r) for r in references), key

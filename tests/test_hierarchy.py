@@ -29,7 +29,7 @@ class StubDatabase:
 
 def _drafter(order="cms", n=3, m=4, model=(), statistics=(), l=1):
     model_db, stats_db = StubDatabase([list(s) for s in model]), StubDatabase([list(s) for s in statistics])
-    drafter = HierarchyDrafter(HierarchyConfig(l=l, m=m, n=n, order=order, lead="cms"), model_db, stats_db)
+    drafter = HierarchyDrafter(HierarchyConfig(l=l, m=m, n=n, order=order, lead="cms", tree="fixed"), model_db, stats_db)
     return drafter, model_db, stats_db
 
 
@@ -54,7 +54,7 @@ def test_a_custom_order_and_duplicates():
 
 
 def test_missing_databases_are_skipped_and_context_alone_works():
-    drafter = HierarchyDrafter(HierarchyConfig(l=1, m=3, n=2, order="cms"))
+    drafter = HierarchyDrafter(HierarchyConfig(l=1, m=3, n=2, order="cms", tree="fixed"))
     assert drafter.sources == ["context"]
     drafter.begin(np.array([4, 5, 6, 7]))
     tree = drafter.propose(np.array([4, 5, 6, 7, 4]), budget=10)
@@ -146,7 +146,7 @@ def test_per_source_accounting_in_a_real_run():
         def retrieve(self, context, limit):
             return [truth[len(context):len(context) + 3]] if len(context) < len(truth) else []
 
-    drafter = HierarchyDrafter(HierarchyConfig(l=2, m=3, n=2, order="msc", lead="cms"), Oracle(), StubDatabase([[31, 31]]))
+    drafter = HierarchyDrafter(HierarchyConfig(l=2, m=3, n=2, order="msc", lead="cms", tree="fixed"), Oracle(), StubDatabase([[31, 31]]))
     result = SpeculativeDecoder(target, drafter).generate(prompt, config)
     s = result.stats
     assert result.token_ids == reference
@@ -158,7 +158,7 @@ def test_per_source_accounting_in_a_real_run():
 
 
 def test_non_leading_databases_only_extend_a_leading_draft():
-    drafter = HierarchyDrafter(HierarchyConfig(l=1, m=3, n=3, order="cms", lead="c"),
+    drafter = HierarchyDrafter(HierarchyConfig(l=1, m=3, n=3, order="cms", lead="c", tree="fixed"),
                                StubDatabase([[3, 3]]), StubDatabase([[4]]))
     drafter.begin(np.array([9, 1, 2, 5]))  # context DB: 9 -> (1, 2, 5)
     assert drafter.collect(np.array([7])) == ([], [])  # only model and statistics drafts: no draft at all

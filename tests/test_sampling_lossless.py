@@ -119,7 +119,7 @@ def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
     joint = exact_joint(exact_table(target, sampling))
     counts, forwards_per_run = sample_counts(
         target,
-        lambda: HierarchyDrafter(HierarchyConfig(l=1, m=3, n=4, order="cm", recycle_topk=2, lead="cm"), _FixedDatabase()),
+        lambda: HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="cm", recycle_topk=2, tree="scored"), _FixedDatabase()),
         sampling,
     )
     assert counts[joint == 0].sum() == 0

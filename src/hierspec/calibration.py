@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +22,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hierspec.drafters.scored import linear_cost
 from hierspec.errors import InputError
 from hierspec.loading import user_cache_dir
+from hierspec.runtime.inputs import bucket_for
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
+
+log = logging.getLogger(__name__)
 
 MAGIC = "hierspec-cost-curve"
 VERSION = 1
@@ -74,27 +80,48 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
 
 def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
                        repeats: int = 5, seed: int = 0) -> CostCurve:
-    """Time verification forwards of each size over a random ``context``-token prefix (median of ``repeats``)."""
+    """Median time of a verification forward of each size over a random ``context``-token prefix.
+
+    One prefilled cache serves every forward (the tree's entries are dropped after each), and the sizes take turns
+    within each repeat, so a drift in the machine's speed spreads over all sizes alike.
+    """
     if not sizes or min(sizes) < 1:
         raise InputError("cost-curve sizes must be >= 1")
     if context + max(sizes) >= target.max_context:
         raise InputError(f"context {context} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, target.vocab_size, size=context).tolist()
-    medians = []
-    for size in tqdm(sorted(set(sizes)), desc="calibrating", unit="size"):
-        tree = build_tree(ids[-1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            cache = target.new_cache()
-            target.prefill(cache, ids[:-1])
+    sizes = tuple(sorted(set(sizes)))
+    trees = [build_tree(ids[-1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
+             for size in sizes]
+    cache = target.new_cache(capacity=context + max(sizes) + 1)
+    target.prefill(cache, ids[:-1])
+    past = cache.get_seq_length()
+    times: list[list[float]] = [[] for _ in sizes]
+    for repeat in tqdm(range(repeats + 1), desc="calibrating", unit="round"):
+        for index, tree in enumerate(trees):
             target.synchronize()
             start = time.perf_counter()
             target.forward_tree(cache, tree)
             target.synchronize()
-            times.append(1000 * (time.perf_counter() - start))
-        medians.append(statistics.median(times[1:]))
-    return CostCurve(tuple(sorted(set(sizes))), tuple(medians), machine_identity(target))
+            if repeat:  # the first round warms up
+                times[index].append(1000 * (time.perf_counter() - start))
+            target.keep_path(cache, past, [0])
+            cache.crop(-1)
+    return CostCurve(sizes, tuple(statistics.median(t) for t in times), machine_identity(target))
+
+
+def verification_cost(target: TargetModel) -> Callable[[int], float]:
+    """The cost of verifying a tree of ``rows`` nodes on this target: the curve ``hierspec calibrate`` saved for its
+    model, device, dtype and threads, else one step plus 2 % per row of the runtime's padded bucket."""
+    path = default_curve_path(target)
+    if path.is_file():
+        try:
+            return load_curve(path).cost
+        except (InputError, KeyError, TypeError, ValueError):
+            log.warning("ignoring the unreadable cost curve %s; run `hierspec calibrate` again", path)
+    buckets = tuple(target.runtime.buckets)
+    return lambda rows: linear_cost(bucket_for(rows, buckets))
 
 
 def save_curve(curve: CostCurve, path: Path) -> None:

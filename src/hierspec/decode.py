@@ -203,6 +203,7 @@ class SpeculativeDecoder:
                     return
         finally:
             stats.total_time = time.perf_counter() - start
+            drafter.finish(context.view())
             stats.drafter = drafter.report()
 
 

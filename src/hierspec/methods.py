@@ -155,6 +155,7 @@ def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
     from hierspec.datastore.suffix import SuffixStore
     from hierspec.drafters.dense import DenseConfig, DenseRetriever
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
+    from hierspec.drafters.successors import SuccessorTable
 
     config = _config_from_options(HierarchyConfig, spec.options, spec.name)
     fingerprint, name = context.fingerprint()
@@ -171,9 +172,44 @@ def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
     if dense_dir:
         dense = DenseRetriever(_open_dense_store(dense_dir, context, spec),
                                DenseConfig(k=config.d_k, min_score=config.d_min_score))
-    drafter = HierarchyDrafter(config, model, statistics, dense)
+    learning = successors = None
+    if config.learn:
+        learning = _learning_store(model_dir, context, config, spec)
+    elif "t" in config.order:
+        successors = SuccessorTable(_target(context, spec).vocab_size, config.t_k)
+    drafter = HierarchyDrafter(config, model, statistics, dense, cost=_verification_cost(context),
+                               successors=successors, learning=learning)
     log.info("hd reads %s", " > ".join(drafter.sources))
     return drafter
+
+
+def _target(context: DrafterContext, spec: MethodSpec):
+    from hierspec.target import TargetModel
+
+    if not isinstance(context.target, TargetModel):
+        raise InputError(f"method {spec.label!r} needs the target model")
+    return context.target
+
+
+def _learning_store(model_dir: str | None, context: DrafterContext, config, spec: MethodSpec):
+    """The model store ``hd:learn=true`` learns into: the one given or found, else a new one at the default place."""
+    from hierspec.datastore.learning import LearningStore
+
+    target = _target(context, spec)
+    directory = model_dir or default_store_dir(target.tokenizer_fingerprint, context.store_root) / "model"
+    shape = read_header(directory) if model_dir else {}
+    return LearningStore.open(directory, target.name, target.tokenizer_fingerprint, target.vocab_size,
+                              key_len=int(shape.get("key_len", 1)), value_len=int(shape.get("value_len", 4)),
+                              max_grams=config.top_k, successor_k=config.t_k)
+
+
+def _verification_cost(context: DrafterContext):
+    from hierspec.calibration import verification_cost
+    from hierspec.target import TargetModel
+
+    if context.cost_curve:
+        return context.load_cost_curve().cost
+    return verification_cost(context.target) if isinstance(context.target, TargetModel) else None
 
 
 def _open_dense_store(directory: str, context: DrafterContext, spec: MethodSpec):

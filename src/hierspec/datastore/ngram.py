@@ -118,6 +118,7 @@ class NgramTable:
         if top_k is not None and top_k < counts.shape[0]:
             keep = np.sort(np.lexsort((np.arange(counts.shape[0]), -np.asarray(counts, dtype=np.int64)))[:top_k])
             grams, counts = grams[keep], counts[keep]
+        self._grams, self._all_counts = grams, counts
         self._values = np.asarray(grams[:, self.key_len :], dtype=np.int64)
         self._counts = np.asarray(counts, dtype=np.int64)
         self._slices = _key_slices(np.asarray(grams[:, : self.key_len], dtype=np.int64))
@@ -152,6 +153,10 @@ class NgramTable:
             raise DatastoreError(f"{self.directory}: a gram has count 0; rebuild the datastore")
         return {"grams": len(self), "keys": len(self._slices), "ok": True}
 
+    def grams_and_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every ``(l + m)``-gram held and its document count, as int64 arrays (``[g, l + m]``, ``[g]``)."""
+        return np.asarray(self._grams, dtype=np.int64), np.asarray(self._all_counts, dtype=np.int64)
+
     def __len__(self) -> int:
         return int(self._counts.shape[0])
 
@@ -161,15 +166,22 @@ class NgramTable:
         Values seen in fewer than ``min_count`` documents, or holding less than ``min_share`` of the key's total
         count, are left out.
         """
+        return [value for value, _ in self.lookup_shares(key, limit, min_count, min_share)]
+
+    def lookup_shares(self, key: np.ndarray, limit: int, min_count: int = 1,
+                      min_share: float = 0.0) -> list[tuple[np.ndarray, float]]:
+        """:meth:`lookup` with each value's share of its key's total count."""
         if key.shape[0] < self.key_len or limit <= 0:
             return []
         span = self._slices.get(tuple(int(t) for t in key[-self.key_len :]))
         if span is None:
             return []
         start, end = span
-        threshold = max(min_count, min_share * float(self._counts[start:end].sum()))
+        total = float(self._counts[start:end].sum())
+        threshold = max(min_count, min_share * total)
         end = min(end, start + limit)
-        return [self._values[i] for i in range(start, end) if self._counts[i] >= threshold]
+        return [(self._values[i], float(self._counts[i]) / total) for i in range(start, end)
+                if self._counts[i] >= threshold]
 
     def info(self) -> dict:
         """Header plus on-disk size."""

@@ -17,7 +17,7 @@ class Drafter(ABC):
     """A source of draft trees.
 
     The decoding loop calls :meth:`begin` once per generation, then for every step :meth:`propose` (draft a tree for
-    the current context) and :meth:`observe` (learn from the target's verdict). ``context`` is always the whole token
+    the current context) and :meth:`observe` (learn from the target's verdict), and :meth:`finish` at the end. ``context`` is always the whole token
     sequence so far — prompt and generated tokens — whose last token is the tree's root.
     """
 
@@ -45,6 +45,10 @@ class Drafter(ABC):
         """Called when :attr:`wants_hidden` is set, after the prefill and after every :meth:`observe`, with the
         target's last hidden state (before the LM head, float32) at the position just before the context's last
         token: the state whose prediction that token is. It comes from forwards that ran anyway."""
+
+    def finish(self, context: np.ndarray) -> None:
+        """Called once when a generation ends (finished, stopped or cancelled) with its whole context: prompt and
+        generated tokens. Drafters that learn across generations persist what they learned here."""
 
     def report(self) -> dict:
         """The drafter's own counters for the generation that just ended (empty by default)."""

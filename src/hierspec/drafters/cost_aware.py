@@ -83,6 +83,9 @@ class CostAwareDrafter(Drafter):
         self._accepted[1 : accepted + 1] += 1
         self.inner.observe(verdict, context)
 
+    def finish(self, context: np.ndarray) -> None:
+        self.inner.finish(context)
+
     def report(self) -> dict:
         return {**self.inner.report(), "cost_cut_steps": self.cut_steps}
 

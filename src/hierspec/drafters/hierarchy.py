@@ -9,14 +9,19 @@
 * ``d`` — optional fourth source, dense retrieval (:class:`~hierspec.drafters.dense.DenseRetriever`, DReSD): next
   tokens of the nearest neighbours of the target's hidden state. Not in the default order; add it, e.g.
   ``order=cdms``.
+* ``t`` — the successor table (:class:`~hierspec.drafters.successors.SuccessorTable`, Token Recycling's idea): the
+  target's top-k after every token, recycled from every verification forward and kept across generations.
 
-Each step reads the databases in ``order`` until ``n`` draft sequences are collected and merges them into one tree,
-each node tagged with the database that proposed it.
+Each step reads the databases in ``order``. With ``tree=scored`` (the default) every database offers up to
+``candidates`` sequences, each node is scored with its estimated probability of acceptance, and the tree is the
+best-first set of nodes that maximises expected tokens per millisecond on the target's cost curve
+(:mod:`hierspec.drafters.scored`). With ``tree=fixed`` the databases are read until ``n`` sequences are collected
+and merged as they are (the paper's access, with the ``lead`` rule). Each node is tagged with its database.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,10 +33,13 @@ from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseRetriever
+from hierspec.datastore.learning import LearningStore
+from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
+from hierspec.drafters.successors import SuccessorTable
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
-SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense"}
+SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class HierarchyConfig:
         m: tokens per draft sequence (value length).
         n: draft sequences per step (``N``), also the context database's values per key.
         order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics), ``d``
-            (dense retrieval, needs a dense store).
+            (dense retrieval, needs a dense store), ``t`` (successor table).
         top_k: most frequent grams of the model store used (the table holds at most what it was built with).
         recycle_topk: target predictions recycled per verified node: 1 = top-1, k > 1 adds the next k - 1 as
             one-token values.
@@ -54,10 +62,17 @@ class HierarchyConfig:
         s_k: occurrences read from the statistics store per lookup.
         d_k: neighbours retrieved from the dense store per lookup.
         d_min_score: dense neighbours less similar than this (cosine) are not drafted.
-        lead: databases whose drafts may make up a step's tree on their own; the others only add sequences to a
-            step that a leading database already drafts for. ``"cms"`` is the paper's access (every database may
-            draft). On a CPU any draft makes a verification ~1.5x as dear as a plain step while a few more draft
-            tokens cost almost nothing, so weakly predictive databases pay only as additions.
+        lead: (``tree=fixed``) databases whose drafts may make up a step's tree on their own; the others only add
+            sequences to a step that a leading database already drafts for. ``"cms"`` is the paper's access.
+        tree: ``"scored"`` — every node scored, the tree sized by the cost curve — or ``"fixed"`` — ``n``
+            sequences of ``m`` tokens in access order, with ``lead``.
+        candidates: (``tree=scored``) sequences read from each database per step.
+        t_k: successors kept per token in the successor table (the verifier's top-k, computed every step when
+            ``t`` is in ``order``).
+        learn: the model store keeps learning: every finished generation adds its n-grams and the successor table
+            is persisted with it (:class:`~hierspec.datastore.learning.LearningStore`; created at the default
+            location when no model store is given).
+        flush_every: generations between two writes of a learning store.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -74,8 +89,17 @@ class HierarchyConfig:
     d_k: int = 32
     d_min_score: float = 0.75
     lead: str = "c"
+    tree: str = "scored"
+    candidates: int = 6
+    t_k: int = 4
+    learn: bool = False
+    flush_every: int = 8
 
     def __post_init__(self) -> None:
+        if self.tree not in {"scored", "fixed"}:
+            raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
+        if self.candidates < 1 or self.t_k < 1 or self.flush_every < 1:
+            raise InputError("hd needs candidates, t_k and flush_every >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
@@ -91,6 +115,11 @@ def frequent_rows(rows: np.ndarray, limit: int, min_count: int) -> list[np.ndarr
 
     Ties keep lexicographic order. Example: rows ``[[1, 2], [3, -1], [1, 2]]`` → ``[[1, 2], [3]]``.
     """
+    return [row for row, _ in frequent_rows_with_shares(rows, limit, min_count)]
+
+
+def frequent_rows_with_shares(rows: np.ndarray, limit: int, min_count: int) -> list[tuple[np.ndarray, float]]:
+    """:func:`frequent_rows` with each row's share of all ``rows``."""
     if rows.shape[0] == 0 or limit <= 0:
         return []
     unique, counts = np.unique(rows, axis=0, return_counts=True)
@@ -102,8 +131,13 @@ def frequent_rows(rows: np.ndarray, limit: int, min_count: int) -> list[np.ndarr
         row = unique[i]
         row = row[: int(np.argmax(row < 0))] if (row < 0).any() else row
         if row.shape[0]:
-            out.append(row)
+            out.append((row, float(counts[i]) / rows.shape[0]))
     return out
+
+
+def share_bin(share: float) -> int:
+    """Confidence bin of a continuation holding ``share`` of its key's evidence: >= 1/2, 1/4, 1/10, less."""
+    return 0 if share >= 0.5 else 1 if share >= 0.25 else 2 if share >= 0.1 else 3
 
 
 class DraftDatabase(Protocol):
@@ -128,6 +162,11 @@ class ModelDatabase:
     def retrieve(self, context: np.ndarray, limit: int) -> list[np.ndarray]:
         return self.table.lookup(context, limit, self.min_count, self.min_share)
 
+    def retrieve_scored(self, context: np.ndarray, limit: int) -> list[tuple[np.ndarray, int]]:
+        """Sequences with confidence bins from their share of the key's count."""
+        return [(v, share_bin(share)) for v, share in self.table.lookup_shares(context, limit, self.min_count,
+                                                                              self.min_share)]
+
 
 @dataclass(frozen=True)
 class StatisticsDatabase:
@@ -145,11 +184,52 @@ class StatisticsDatabase:
         return self.store.directory
 
     def retrieve(self, context: np.ndarray, limit: int) -> list[np.ndarray]:
+        return [row for row, _ in self.retrieve_scored(context, limit)]
+
+    def retrieve_scored(self, context: np.ndarray, limit: int) -> list[tuple[np.ndarray, int]]:
+        """Sequences with confidence bins from their share of the retrieved continuations (one bin lower when the
+        matched suffix is short)."""
         match = self.store.longest_match(context, max(self.n_max, self.n_min), self.n_min)
         if match is None:
             return []
         rows = self.store.continuations(match, self.k, self.value_len)
-        return frequent_rows(rows, limit, max(1, int(np.ceil(self.min_share * rows.shape[0]))))
+        short = 1 if match.length < 4 else 0
+        return [(row, min(3, share_bin(share) + short))
+                for row, share in frequent_rows_with_shares(rows, limit, max(1, int(np.ceil(self.min_share * rows.shape[0]))))]
+
+
+@dataclass(frozen=True)
+class LearningDatabase:
+    """``D_m`` read from a learning store: the store's current table, which each flush replaces."""
+
+    store: LearningStore
+    base: ModelDatabase | None = None
+
+    @property
+    def directory(self):
+        return self.store.directory
+
+    def retrieve_scored(self, context: np.ndarray, limit: int) -> list[tuple[np.ndarray, int]]:
+        min_count, min_share = (self.base.min_count, self.base.min_share) if self.base is not None else (1, 0.0)
+        return ModelDatabase(self.store.table, min_count, min_share).retrieve_scored(context, limit)
+
+    def retrieve(self, context: np.ndarray, limit: int) -> list[np.ndarray]:
+        return [seq for seq, _ in self.retrieve_scored(context, limit)]
+
+
+@dataclass(frozen=True)
+class SuccessorDatabase:
+    """``t``: chains of first successors from the root's best successors, ranked."""
+
+    table: SuccessorTable
+    depth: int
+    width: int = 3
+
+    def retrieve_scored(self, context: np.ndarray, limit: int) -> list[tuple[list[int], int]]:
+        return self.table.chains(int(context[-1]), self.depth, min(self.width, limit))
+
+    def retrieve(self, context: np.ndarray, limit: int) -> list[list[int]]:
+        return [chain for chain, _ in self.retrieve_scored(context, limit)]
 
 
 class HierarchyDrafter(Drafter):
@@ -162,11 +242,20 @@ class HierarchyDrafter(Drafter):
     name = "hd"
 
     def __init__(self, config: HierarchyConfig | None = None, model: DraftDatabase | None = None,
-                 statistics: DraftDatabase | None = None, dense: DenseRetriever | None = None) -> None:
+                 statistics: DraftDatabase | None = None, dense: DenseRetriever | None = None,
+                 cost: Callable[[int], float] | None = None, successors: SuccessorTable | None = None,
+                 learning: LearningStore | None = None) -> None:
         self.config = config or HierarchyConfig()
-        self.context_db = ContextDB(self.config.l, self.config.m, self.config.n)
-        self.verifier_topk = self.config.recycle_topk
-        available = {"c": self.context_db, "m": model, "s": statistics, "d": dense}
+        scored = self.config.tree == "scored"
+        self.context_db = ContextDB(self.config.l, self.config.m,
+                                    max(self.config.n, self.config.candidates) if scored else self.config.n)
+        self.learning = learning
+        if learning is not None:
+            model, successors = LearningDatabase(learning, model), learning.successors
+        self.successors = successors if "t" in self.config.order else None
+        self.verifier_topk = max(self.config.recycle_topk, self.config.t_k if self.successors is not None else 1)
+        successor_db = SuccessorDatabase(self.successors, self.config.m) if self.successors is not None else None
+        available = {"c": self.context_db, "m": model, "s": statistics, "d": dense, "t": successor_db}
         self.databases: list[tuple[str, DraftDatabase]] = [
             (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
         ]
@@ -174,6 +263,10 @@ class HierarchyDrafter(Drafter):
         self.wants_hidden = self.dense is not None
         self._leaders = {SOURCE_NAMES[letter] for letter in self.config.lead}
         self._proposed_length = 0
+        self._prompt_length = 0
+        self.cost = cost or linear_cost
+        self.acceptance = AcceptanceModel([name for name, _ in self.databases])
+        self._scored: ScoredTree | None = None
 
     @property
     def sources(self) -> list[str]:
@@ -185,6 +278,9 @@ class HierarchyDrafter(Drafter):
         return {**super().describe(), "databases": self.sources, "stores": stores}
 
     def begin(self, prompt: np.ndarray) -> None:
+        self._prompt_length = int(prompt.shape[0])
+        self.acceptance.reset_calibration()
+        self._scored = None
         self.context_db.reset()
         self.context_db.feed_context(prompt)
         if self.dense is not None:
@@ -195,15 +291,35 @@ class HierarchyDrafter(Drafter):
             self.dense.set_query(hidden)
 
     def report(self) -> dict:
-        return self.dense.report() if self.dense is not None else {}
+        report = self.dense.report() if self.dense is not None else {}
+        if self.config.tree == "scored":
+            report["acceptance_calibration"] = self.acceptance.calibration_counts()
+        return report
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         root = int(context[-1])
         self._proposed_length = context.shape[0]
         if budget <= 0:
             return root_only(root)
+        if self.config.tree == "scored":
+            self._scored = select_tree(root, self.candidates(context), self.acceptance, self.cost, budget)
+            return self._scored.tree
         sequences, sources = self.collect(context)
         return build_tree(root, sequences, sources, budget=min(budget, self.config.n * self.config.m))
+
+    def candidates(self, context: np.ndarray) -> list[Candidate]:
+        """Up to ``candidates`` sequences from every database, with confidence bins: each database's own evidence
+        where it has some (shares of counts), else the sequence's rank."""
+        out = []
+        for name, database in self.databases:
+            scored = getattr(database, "retrieve_scored", None)
+            found = scored(context, self.config.candidates) if scored is not None else [
+                (seq, rank) for rank, seq in enumerate(database.retrieve(context, self.config.candidates))]
+            for seq, confidence in found:
+                tokens = tuple(int(t) for t in np.asarray(seq)[: self.config.m])
+                if tokens:
+                    out.append(Candidate(tokens, name, confidence))
+        return out
 
     def collect(self, context: np.ndarray) -> tuple[list[np.ndarray], list[str]]:
         """Hierarchical access: draft sequences and their source names, at most ``n``, in priority order.
@@ -230,8 +346,22 @@ class HierarchyDrafter(Drafter):
         return sequences, sources
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        if self._scored is not None and verdict.tree is self._scored.tree:
+            self.acceptance.learn(self._scored, verdict)
+        if self.successors is not None and verdict.target_topk is not None:
+            self.successors.update(verdict.tree.tokens, verdict.target_topk)
         self.recycle(verdict, context[: self._proposed_length])
         self.context_db.feed_context(context)
+
+    def finish(self, context: np.ndarray) -> None:
+        """With a learning store: queue this generation (the key's context, then every generated token) and write
+        a new version every ``flush_every`` generations."""
+        if self.learning is None:
+            return
+        start = max(0, self._prompt_length - self.learning.table.key_len)
+        self.learning.add_generation(np.asarray(context[start:]))
+        if self.learning.pending >= self.config.flush_every:
+            self.learning.flush()
 
     def recycle(self, verdict: Verdict, before: np.ndarray) -> None:
         """Add the target's predictions at tree nodes off the accepted path to the context database.

@@ -145,6 +145,9 @@ class HSDDWDrafter(Drafter):
         if accepted < len(self._entropies):
             self.threshold.record_rejection(self._entropies[accepted])
 
+    def finish(self, context: np.ndarray) -> None:
+        self.first.finish(context)
+
     def report(self) -> dict:
         first = self.first.report()
         return {**self.counts, "windows": list(self.windows), "tau_middle": self.threshold.value,

@@ -1,0 +1,201 @@
+"""Scored draft trees: every candidate node carries an estimated probability of acceptance, and the tree is the
+best-first set of nodes whose expected accepted length per millisecond is highest.
+
+A candidate is a draft sequence from one database with a confidence bin (the database's own evidence: rank, share
+of counts, similarity). :class:`AcceptanceModel` learns, per (source, confidence bin, depth), the probability that a
+node is accepted given that its parent was — from every verified tree, the rejected branches included. A node's
+probability of lying on the accepted path is the product of those rates along its path, so for greedy decoding the
+expected tokens of a step are ``1 + Σ p(node)`` over the tree's nodes (siblings exclude each other).
+:func:`select_tree` takes nodes in decreasing ``p`` (a parent always before its children) and keeps the prefix
+maximising ``(1 + Σ p) / cost(size)`` on the target's cost curve — which is flat within each of the runtime's bucket
+sizes, so free rows get filled and an empty draft wins when nothing pays.
+
+Example: candidates ``[5, 6]`` (rates 0.8, 0.5) and ``[7]`` (rate 0.3) give nodes ``5`` (p 0.8), ``5→6``
+(0.4) and ``7`` (0.3); with a cost of 10 ms up to 4 tree rows and 20 ms beyond, all three are kept (expected 2.5
+tokens for 10 ms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hierspec.accept import Verdict
+from hierspec.tree import DraftTree, build_tree, root_only
+
+#: depth bins: depths 1, 2, 3, 4, 5-6, 7+ (a sequence's later tokens are accepted less often)
+_DEPTH_BINS = np.array([0, 0, 1, 2, 3, 4, 4, 5])  # indexed by depth (0 is the root)
+#: confidence bins per source (0 = strongest evidence)
+CONFIDENCE_BINS = 4
+#: a new (source, bin, depth) cell starts as if it had seen this many acceptances out of this many trials
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 4.0
+
+
+def linear_cost(rows: int) -> float:
+    """A verification cost when none is measured: one step plus 2 % per extra tree row (the runtime's goal: a
+    16-row tree at most 1.3x a one-row step)."""
+    return 1.0 + 0.02 * (rows - 1)
+
+
+def depth_bin(depth: int) -> int:
+    """The depth bin of a node ``depth`` tokens below the root (1-based)."""
+    return int(_DEPTH_BINS[min(depth, _DEPTH_BINS.shape[0] - 1)])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One draft sequence with its source and the source's confidence bin (``0`` = most confident)."""
+
+    tokens: tuple[int, ...]
+    source: str
+    confidence: int = 0
+
+
+@dataclass
+class AcceptanceModel:
+    """Running conditional acceptance rates per (source, confidence bin, depth bin), with a weak prior.
+
+    ``decay`` < 1 weighs recent steps more (the rates follow the text being generated).
+    """
+
+    sources: Sequence[str]
+    decay: float = 0.999
+    trials: np.ndarray = field(init=False)
+    hits: np.ndarray = field(init=False)
+    predicted: np.ndarray = field(init=False)
+    observed: np.ndarray = field(init=False)
+    counted: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._index = {name: i for i, name in enumerate(self.sources)}
+        shape = (len(self.sources), CONFIDENCE_BINS, int(_DEPTH_BINS.max()) + 1)
+        self.trials = np.zeros(shape)
+        self.hits = np.zeros(shape)
+        self.predicted = np.zeros(10)  # calibration: summed predicted p per decile of p
+        self.observed = np.zeros(10)  # ... and nodes that did land on the accepted path
+        self.counted = np.zeros(10)
+
+    def reset_calibration(self) -> None:
+        """Zero the calibration counts (a new generation); the rates themselves are kept."""
+        for counts in (self.predicted, self.observed, self.counted):
+            counts[:] = 0
+
+    def rate(self, source: str, confidence: int, depth: int) -> float:
+        """Probability that a node is accepted given that its parent was."""
+        cell = (self._index[source], min(confidence, CONFIDENCE_BINS - 1), depth_bin(depth))
+        return float((self.hits[cell] + PRIOR_HITS) / (self.trials[cell] + PRIOR_TRIALS))
+
+    def learn(self, tree: "ScoredTree", verdict: Verdict) -> None:
+        """Count, for every node whose parent was accepted, whether the node was accepted too."""
+        self.trials *= self.decay
+        self.hits *= self.decay
+        accepted = np.zeros(tree.tree.size, dtype=bool)
+        accepted[0] = True
+        accepted[list(verdict.path)] = True
+        for node in range(1, tree.tree.size):
+            probability = tree.path_probability[node]
+            decile = min(int(probability * 10), 9)
+            self.predicted[decile] += probability
+            self.observed[decile] += accepted[node]
+            self.counted[decile] += 1
+            if accepted[int(tree.tree.parents[node])]:
+                cell = tree.cells[node]
+                self.trials[cell] += 1
+                self.hits[cell] += accepted[node]
+
+    def calibration_counts(self) -> dict:
+        """Per decile of predicted probability (of landing on the accepted path): nodes, their summed prediction
+        and how many did land there — summable over generations."""
+        return {"nodes": self.counted.tolist(), "predicted": self.predicted.tolist(),
+                "accepted": self.observed.tolist()}
+
+
+@dataclass(frozen=True)
+class ScoredTree:
+    """A selected tree with, per node, its estimated probability of lying on the accepted path and its model cell."""
+
+    tree: DraftTree
+    path_probability: np.ndarray
+    cells: tuple[tuple[int, int, int], ...]
+
+    @property
+    def expected_tokens(self) -> float:
+        """Expected tokens of the step: the bonus token plus the expected accepted drafts."""
+        return 1.0 + float(self.path_probability[1:].sum())
+
+
+def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceModel, cost: Callable[[int], float],
+                budget: int) -> ScoredTree:
+    """The best-first subtree of the candidates' trie with the most expected tokens per unit of ``cost``.
+
+    ``cost(rows)`` is the verification cost of a tree of ``rows`` nodes (root included); at most ``budget`` draft
+    nodes are kept. A node reached by several candidates keeps its best estimate.
+    """
+    trie = _Trie()
+    for candidate in candidates:
+        node = 0
+        for depth, token in enumerate(candidate.tokens, start=1):
+            confidence = min(candidate.confidence, CONFIDENCE_BINS - 1)
+            cell = (model._index[candidate.source], confidence, depth_bin(depth))
+            node = trie.add(node, int(token), trie.probability[node] * model.rate(candidate.source, confidence, depth),
+                            candidate.source, cell)
+    if trie.size == 1 or budget <= 0:
+        return _empty(root)
+    p = np.asarray(trie.probability)
+    depth = np.asarray(trie.depth)
+    order = np.lexsort((depth[1:], -p[1:]))[:budget] + 1  # p descending, shallower first: parents come first
+    gains = 1.0 + np.concatenate([[0.0], np.cumsum(p[order])])
+    keep = int(np.argmax(gains / np.array([cost(k + 1) for k in range(gains.shape[0])])))
+    if keep == 0:
+        return _empty(root)
+    chosen = sorted(order[:keep].tolist())  # node ids grow with insertion: a parent precedes its children
+    paths = {node: trie.path(node) for node in chosen}
+    tree = build_tree(root, [paths[n] for n in chosen], sources=[trie.source[n] for n in chosen])
+    node_of = {tuple(path): node for node, path in paths.items()}
+    nodes = [0] + [node_of[tuple(tree.sequence(i))] for i in range(1, tree.size)]
+    return ScoredTree(tree, p[nodes], tuple(trie.cell[n] for n in nodes))
+
+
+def _empty(root: int) -> ScoredTree:
+    return ScoredTree(root_only(root), np.ones(1), ((0, 0, 0),))
+
+
+class _Trie:
+    """Candidate nodes: token, parent, depth, best path probability, source and model cell of each."""
+
+    def __init__(self) -> None:
+        self.children: list[dict[int, int]] = [{}]
+        self.token, self.parent, self.depth = [-1], [-1], [0]
+        self.probability = [1.0]
+        self.source = ["root"]
+        self.cell: list[tuple[int, int, int]] = [(0, 0, 0)]
+
+    @property
+    def size(self) -> int:
+        return len(self.token)
+
+    def add(self, parent: int, token: int, probability: float, source: str, cell: tuple[int, int, int]) -> int:
+        """The child of ``parent`` with ``token``, created or improved to ``probability``."""
+        child = self.children[parent].get(token)
+        if child is None:
+            child = self.size
+            self.children[parent][token] = child
+            self.children.append({})
+            self.token.append(token)
+            self.parent.append(parent)
+            self.depth.append(self.depth[parent] + 1)
+            self.probability.append(probability)
+            self.source.append(source)
+            self.cell.append(cell)
+        elif probability > self.probability[child]:
+            self.probability[child], self.source[child], self.cell[child] = probability, source, cell
+        return child
+
+    def path(self, node: int) -> list[int]:
+        tokens = []
+        while node > 0:
+            tokens.append(self.token[node])
+            node = self.parent[node]
+        return tokens[::-1]

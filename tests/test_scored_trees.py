@@ -1,0 +1,82 @@
+"""Scored draft trees: node probabilities from learned acceptance rates, best-first selection sized by the cost
+curve, learning from verdicts; hand-made examples with the expected values written out."""
+
+import numpy as np
+import pytest
+
+from hierspec.accept import Verdict
+from hierspec.drafters.scored import AcceptanceModel, Candidate, depth_bin, select_tree
+
+
+def _model_with_rates(rates: dict) -> AcceptanceModel:
+    """An acceptance model whose (source, confidence, depth) cells have exactly the given rates."""
+    model = AcceptanceModel(["a", "b"])
+    for (source, confidence, depth), (hits, trials) in rates.items():
+        cell = (model._index[source], confidence, depth_bin(depth))
+        model.hits[cell], model.trials[cell] = hits, trials
+    return model
+
+
+# rate = (hits + 1) / (trials + 4): 15/16 -> 0.8, 4/6 -> 0.5, 2/6 -> 0.3
+RATES = {("a", 0, 1): (15, 16), ("a", 0, 2): (4, 6), ("b", 0, 1): (2, 6)}
+
+
+def _bucketed(rows: int) -> float:
+    return 10.0 if rows <= 4 else 20.0
+
+
+def test_the_docstring_example_keeps_every_node_a_free_bucket_holds():
+    model = _model_with_rates(RATES)
+    scored = select_tree(9, [Candidate((5, 6), "a"), Candidate((7,), "b")], model, _bucketed, budget=8)
+    assert scored.tree.tokens.tolist() == [9, 5, 7, 6]
+    assert scored.tree.sources == ("root", "a", "b", "a")
+    np.testing.assert_allclose(scored.path_probability, [1.0, 0.8, 0.3, 0.4])
+    assert scored.expected_tokens == pytest.approx(2.5)
+
+
+def test_a_steep_cost_keeps_only_the_nodes_that_pay():
+    model = _model_with_rates(RATES)
+    candidates = [Candidate((5, 6), "a"), Candidate((7,), "b")]
+
+    def steep(rows: int) -> float:  # each row costs half a step
+        return 1.0 + 0.5 * (rows - 1)
+
+    scored = select_tree(9, candidates, model, steep, budget=8)
+    # 1 node: 1.8 / 1.5 = 1.2; 2 nodes: 2.2 / 2.0 = 1.1; none: 1.0 -> only the 0.8 node
+    assert scored.tree.tokens.tolist() == [9, 5]
+
+    def ruinous(rows: int) -> float:
+        return float(rows) ** 2
+
+    assert select_tree(9, candidates, model, ruinous, budget=8).tree.size == 1  # no draft pays
+    assert select_tree(9, candidates, model, _bucketed, budget=1).tree.tokens.tolist() == [9, 5]
+
+
+def test_a_node_reached_by_two_candidates_keeps_its_best_estimate():
+    model = _model_with_rates(RATES)
+    scored = select_tree(9, [Candidate((7,), "b"), Candidate((7,), "a")], model, _bucketed, budget=4)
+    assert scored.tree.tokens.tolist() == [9, 7]
+    assert scored.tree.sources[1] == "a" and scored.path_probability[1] == pytest.approx(0.8)
+
+
+def test_learning_counts_a_node_only_when_its_parent_was_accepted():
+    model = AcceptanceModel(["a"], decay=1.0)
+    scored = select_tree(9, [Candidate((5, 6, 7), "a"), Candidate((8,), "a", confidence=2)], model, lambda rows: 1.0,
+                         budget=8)
+    tree = scored.tree  # BFS: 9 | 5 8 | 6 | 7
+    assert tree.tokens.tolist() == [9, 5, 8, 6, 7]
+    model.learn(scored, Verdict(tree=tree, path=(1,), bonus=3, target_argmax=np.zeros(5, dtype=np.int64)))
+    a = model._index["a"]
+    assert model.trials[a, 0, 0] == 1 and model.hits[a, 0, 0] == 1  # node 5: tried, accepted
+    assert model.trials[a, 2, 0] == 1 and model.hits[a, 2, 0] == 0  # node 8: tried, rejected
+    assert model.trials[a, 0, 1] == 1 and model.hits[a, 0, 1] == 0  # node 6: its parent 5 was accepted
+    assert model.trials[a, 0, 2] == 0  # node 7: its parent 6 was rejected, so it was never really tried
+    assert model.rate("a", 0, 1) == pytest.approx(2 / 5)
+    counts = model.calibration_counts()
+    assert sum(counts["nodes"]) == 4 and sum(counts["accepted"]) == 1
+
+
+def test_no_candidates_or_no_budget_drafts_nothing():
+    model = AcceptanceModel(["a"])
+    assert select_tree(9, [], model, _bucketed, budget=8).tree.size == 1
+    assert select_tree(9, [Candidate((1, 2), "a")], model, _bucketed, budget=0).tree.size == 1
