@@ -25,11 +25,13 @@ demo: install
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile -q
 
-# The stores `hd` uses by default: a ShareGPT suffix store and the model's answers to 200 ShareGPT prompts
-# (evaluation questions excluded), under ~/.cache/hierspec/datastores/. About 15 minutes on a 2-core CPU.
+# The stores `hd` uses by default: a ShareGPT suffix store and the model's answers to 2,000 ShareGPT prompts
+# (evaluation questions excluded), under ~/.cache/hierspec/datastores/, and this machine's verification cost curve
+# (hierspec calibrate), which sizes hd's draft trees.
 stores: install
 	$(PIP) install --quiet -e ".[test,corpora]"
 	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl
+	$(VENV)/bin/hierspec calibrate
 
 bench: install
 	$(VENV)/bin/hierspec bench --questions data/spec_bench_dev.jsonl --methods hf-ar,ar,pld,hd \

@@ -110,7 +110,8 @@ def test_rest_reproduces_plain_decoding(target, tmp_path):
 
 
 def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
-    from hierspec.datastore.model_store import ModelStoreConfig, build_model_store
+    from hierspec.datastore.model_store import ModelStoreConfig
+    from hierspec.store_builds import build_model_store
     from hierspec.datastore.ngram import NgramTable
     from hierspec.datastore.suffix import SuffixStore, build_suffix_store
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase

@@ -172,7 +172,8 @@ def test_non_leading_databases_only_extend_a_leading_draft():
 
 def test_hd_finds_stores_in_the_default_location(tmp_path):
     from hierspec.datastore.format import default_store_dir
-    from hierspec.datastore.model_store import ModelStoreConfig, build_model_store
+    from hierspec.datastore.model_store import ModelStoreConfig
+    from hierspec.store_builds import build_model_store
     from hierspec.datastore.suffix import build_suffix_store
     from hierspec.methods import DrafterContext
 

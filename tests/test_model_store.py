@@ -7,16 +7,12 @@ import pytest
 
 from hierspec.config import GenerationConfig
 from hierspec.datastore.format import DatastoreError
-from hierspec.datastore.model_store import (
-    GENERATIONS_FILE,
-    ModelStoreConfig,
-    build_model_store,
-    first_user_turn,
-    select_prompts,
-)
+from hierspec.datastore.model_store import GENERATIONS_FILE, ModelStoreConfig, first_user_turn, select_prompts
 from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
+from hierspec import store_builds
+from hierspec.store_builds import build_model_store
 from tiny import make_target
 
 DOCS = [np.array([1, 2, 3, 1, 2, 3]), np.array([1, 2, 3, 4]), np.array([2, 3, 4])]
@@ -95,10 +91,14 @@ def _prompts():
     return [" ".join(f"w{(i * 7 + j) % 31 + 1}" for j in range(3 + i % 4)) for i in range(6)]
 
 
-def test_builder_writes_generations_and_table(target, tmp_path):
-    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar")
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_builder_writes_generations_and_table(target, tmp_path, batch_size):
+    """Batched generation (left-padded prompts, any batch size) gives each prompt the answer of one-at-a-time
+    decoding, token for token."""
+    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar", batch_size=batch_size)
     header = build_model_store(target, _prompts(), tmp_path, config)
     records = [json.loads(line) for line in (tmp_path / GENERATIONS_FILE).read_text().splitlines()]
+    records.sort(key=lambda r: r["index"])  # batches answer the longest prompts first
     assert [r["index"] for r in records] == list(range(6))
     plain = SpeculativeDecoder(target, NoDrafter())
     for record, prompt in zip(records, _prompts()):
@@ -111,22 +111,22 @@ def test_builder_writes_generations_and_table(target, tmp_path):
     assert header["num_prompts"] == 6 and header["generated_tokens"] == sum(len(r["token_ids"]) for r in records)
 
 
-def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatch):
-    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar")
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatch, batch_size):
+    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar", batch_size=batch_size)
     reference = tmp_path / "reference"
     build_model_store(target, _prompts(), reference, config)
 
-    calls = {"n": 0}
-    original = SpeculativeDecoder.generate
+    original = store_builds._answers
 
-    def failing_generate(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return original(self, *args, **kwargs)
+    def failing_answers(*args):
+        for n, answer in enumerate(original(*args)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield answer
 
     out = tmp_path / "resumed"
-    monkeypatch.setattr(SpeculativeDecoder, "generate", failing_generate)
+    monkeypatch.setattr(store_builds, "_answers", failing_answers)
     with pytest.raises(KeyboardInterrupt):
         build_model_store(target, _prompts(), out, config)
     partial = tmp_path / ".resumed.partial"  # progress is kept beside the output, which does not exist yet
@@ -139,11 +139,12 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
         handle.write('{"index": 3, "token_')
     counted = {"n": 0}
 
-    def counting_generate(self, *args, **kwargs):
-        counted["n"] += 1
-        return original(self, *args, **kwargs)
+    def counting_answers(*args):
+        for answer in original(*args):
+            counted["n"] += 1
+            yield answer
 
-    monkeypatch.setattr(SpeculativeDecoder, "generate", counting_generate)
+    monkeypatch.setattr(store_builds, "_answers", counting_answers)
     build_model_store(target, _prompts(), out, config)
     assert counted["n"] == 3  # only the prompts not answered before
     assert (out / "ngrams.tokens").read_bytes() == (reference / "ngrams.tokens").read_bytes()

@@ -106,7 +106,8 @@ def test_rest_is_identical_to_plain_decoding(model, tmp_path):
 
 
 def test_hierarchy_drafting_is_identical_to_plain_decoding(model, tmp_path):
-    from hierspec.datastore.model_store import ModelStoreConfig, build_model_store
+    from hierspec.datastore.model_store import ModelStoreConfig
+    from hierspec.store_builds import build_model_store
     from hierspec.datastore.ngram import NgramTable
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase
 

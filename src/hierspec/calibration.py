@@ -112,15 +112,19 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
 
 
 def verification_cost(target: TargetModel) -> Callable[[int], float]:
-    """The cost of verifying a tree of ``rows`` nodes on this target: the curve ``hierspec calibrate`` saved for its
-    model, device, dtype and threads, else one step plus 2 % per row of the runtime's padded bucket."""
+    """The cost of verifying a tree of ``rows`` nodes on this target, read at the runtime's padded bucket size: the
+    curve ``hierspec calibrate`` saved for its model, device, dtype and threads (made non-decreasing: a larger tree
+    never costs less, whatever the timing noise), else one step plus 2 % per padded row."""
+    buckets = tuple(target.runtime.buckets)
     path = default_curve_path(target)
     if path.is_file():
         try:
-            return load_curve(path).cost
+            curve = load_curve(path)
         except (InputError, KeyError, TypeError, ValueError):
             log.warning("ignoring the unreadable cost curve %s; run `hierspec calibrate` again", path)
-    buckets = tuple(target.runtime.buckets)
+        else:
+            sizes, ms = np.asarray(curve.sizes), np.maximum.accumulate(np.asarray(curve.ms))
+            return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, ms))
     return lambda rows: linear_cost(bucket_for(rows, buckets))
 
 

@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_store.add_argument("--l", type=int, default=None, dest="key_len", help="key length (default 1)")
     model_store.add_argument("--m", type=int, default=None, dest="value_len", help="value length (default 4)")
     model_store.add_argument("--top-k", type=int, default=None, help="most frequent n-grams kept (default 100000)")
-    model_store.add_argument("--method", default=None, help="decoding method used to answer (default pld)")
+    model_store.add_argument("--method", default=None,
+                             help="decoding method used to answer one prompt at a time (--generate-batch 1)")
+    model_store.add_argument("--generate-batch", type=int, default=None, dest="generate_batch",
+                             help="prompts answered together in one batched greedy generation (default 16)")
     dense = build.add_argument_group("dense store (--kind dense; --input also takes a model store's directory)")
     dense.add_argument("--pca-dim", type=int, default=64, help="PCA dimensions of the keys (default 64)")
     dense.add_argument("--next-tokens", type=int, default=20, help="tokens stored after each key (default 20)")
@@ -310,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_datastore(args: argparse.Namespace) -> int:
-    from hierspec.datastore import build as store_build
+    from hierspec import store_builds as store_build
 
     if args.datastore_command == "info":
         print(json.dumps(store_build.info(args.directory, verify=args.verify), indent=2))
@@ -338,11 +341,13 @@ def cmd_datastore(args: argparse.Namespace) -> int:
 
 
 def _model_store_config(args: argparse.Namespace):
-    from hierspec.datastore.build import DEFAULT_MODEL_STORE
+    from hierspec.store_builds import DEFAULT_MODEL_STORE
     from hierspec.datastore.model_store import ModelStoreConfig
 
     given = {k: getattr(args, k) for k in ("max_new_tokens", "limit", "key_len", "value_len", "top_k", "method")
              if getattr(args, k) is not None}
+    if args.generate_batch is not None:
+        given["batch_size"] = args.generate_batch
     if not given:
         return None
     base = DEFAULT_MODEL_STORE if "default" in args.preset else ModelStoreConfig()

@@ -44,6 +44,8 @@ def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRu
                 report[key] = report.get(key, 0) + value
     if windows:
         report["windows"] = windows
+    if any(CALIBRATION in r.drafter_report for r in runs):
+        report[CALIBRATION] = _sum_calibration(r.drafter_report.get(CALIBRATION) for r in runs)
     return QuestionRun(
         token_ids=[t for r in runs for t in r.token_ids], text=runs[-1].text,
         wall_time=sum(r.wall_time for r in runs), accept_lengths=[n for r in runs for n in r.accept_lengths],
@@ -57,12 +59,35 @@ def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRu
     )
 
 
+def _sum_calibration(reports) -> dict:
+    """Element-wise sums of the scored trees' calibration counts (per decile of predicted probability)."""
+    total = {"nodes": [0.0] * 10, "predicted": [0.0] * 10, "accepted": [0.0] * 10}
+    for report in reports:
+        for key in total:
+            for i, value in enumerate((report or {}).get(key, ())):
+                total[key][i] += value
+    return total
+
+
+def calibration(runs: list[QuestionRun]) -> list[dict]:
+    """Scored trees: per decile of predicted probability of acceptance, the mean prediction, the share of nodes that
+    were accepted, and the node count."""
+    counts = _sum_calibration(r.drafter_report.get(CALIBRATION) for r in runs)
+    return [{"decile": i, "predicted": counts["predicted"][i] / counts["nodes"][i],
+             "observed": counts["accepted"][i] / counts["nodes"][i], "nodes": int(counts["nodes"][i])}
+            for i in range(10) if counts["nodes"][i]]
+
+
 def _sum_dicts(dicts) -> dict[str, int]:
     total: dict[str, int] = defaultdict(int)
     for d in dicts:
         for key, value in d.items():
             total[key] += value
     return dict(total)
+
+
+#: the drafter report key of scored trees' calibration counts
+CALIBRATION = "acceptance_calibration"
 
 
 @dataclass
@@ -105,6 +130,7 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         **({"levels": levels(runs)} if any("windows" in r.drafter_report or "first_drafted" in r.drafter_report
                                            for r in runs) else {}),
         **({"dense": dense_retrieval(runs)} if any("dense_queries" in r.drafter_report for r in runs) else {}),
+        **({"calibration": calibration(runs)} if any(CALIBRATION in r.drafter_report for r in runs) else {}),
     }
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from hierspec.bench.metrics import MethodRecord, forwards_known
 
-PLOTS = ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png")
+PLOTS = ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png", "calibration.png")
 
 
 def write_plots(out_dir: Path, summary: dict, records: dict[str, MethodRecord]) -> list[Path]:
@@ -67,6 +67,19 @@ def write_plots(out_dir: Path, summary: dict, records: dict[str, MethodRecord]) 
     else:
         ax.text(0.5, 0.5, "no method with several draft sources", ha="center", transform=ax.transAxes)
     written.append(_save(fig, out_dir / PLOTS[3]))
+
+    calibrated = [(label, m["calibration"]) for label, m in methods.items() if m.get("calibration")]
+    if calibrated:
+        fig, ax = plt.subplots(figsize=(5, 5))
+        ax.plot([0, 1], [0, 1], color="grey", linewidth=0.8, linestyle="--", label="perfect calibration")
+        for label, rows in calibrated:
+            ax.plot([r["predicted"] for r in rows], [r["observed"] for r in rows], marker="o", label=label)
+        ax.set_xlabel("predicted probability that a draft node is accepted")
+        ax.set_ylabel("observed share accepted")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize="small")
+        written.append(_save(fig, out_dir / PLOTS[4]))
     return written
 
 

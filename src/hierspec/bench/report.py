@@ -99,8 +99,8 @@ def write_report(path: Path, summary: dict) -> None:
             cells = [f"{sp['speedups'][x]:.3f}" for x in seeds]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {sp['mean']:.3f} ± {sp['std']:.3f} | "
                          f"{sp['min']:.3f} – {sp['max']:.3f} |")
-    plots = [name for name in ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png")
-             if (path.parent / name).exists()]
+    plots = [name for name in ("speedup_per_task.png", "mat.png", "accept_lengths.png", "sources.png",
+                               "calibration.png") if (path.parent / name).exists()]
     if plots:
         lines += ["", "## Plots", ""] + [f"![{name[:-4]}]({name})" for name in plots]
     leveled = [(label, m["levels"]) for label, m in methods.items() if m.get("levels")]
@@ -123,6 +123,14 @@ def write_report(path: Path, summary: dict) -> None:
                   "| method | searches | gave a draft | ms per search |", "|---|---:|---:|---:|"]
         for label, d in dense:
             lines.append(f"| {label} | {d['queries']} | {d['hit_rate']:.1%} | {d['search_ms']:.2f} |")
+    calibrated = [(label, m["calibration"]) for label, m in methods.items() if m.get("calibration")]
+    if calibrated:
+        lines += ["", "## Scored trees: predicted against observed acceptance", "",
+                  "Draft nodes by decile of their predicted probability of landing on the accepted path.", "",
+                  "| method | decile | nodes | mean prediction | observed |", "|---|---:|---:|---:|---:|"]
+        for label, rows in calibrated:
+            lines += [f"| {label} | {r['decile']} | {r['nodes']} | {r['predicted']:.3f} | {r['observed']:.3f} |"
+                      for r in rows]
     lines += ["", "## Outputs that differ from ar", ""]
     lines += _divergence_lines(summary)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")

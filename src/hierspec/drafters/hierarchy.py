@@ -78,7 +78,7 @@ class HierarchyConfig:
     l: int = 2  # noqa: E741 — the paper's name
     m: int = 6
     n: int = 2
-    order: str = "cms"
+    order: str = "cmst"
     top_k: int = 100_000
     recycle_topk: int = 1
     min_count: int = 2

@@ -76,6 +76,13 @@ class GrowableLayer(CacheLayerMixin):
         self.length = start + count
         self._publish()
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (batched generation drops finished sequences)."""
+        if self.is_initialized:
+            self._keys = self._keys.index_select(0, rows.to(self._keys.device))
+            self._values = self._values.index_select(0, rows.to(self._values.device))
+            self._publish()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` entries (transformers' convention: a negative count)."""
         if tokens_to_remove > 0:
@@ -131,6 +138,12 @@ class TreeCache(Cache):
         finally:
             for layer in self.layers:
                 layer.align = 1
+
+    @torch.inference_mode()
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` of every layer."""
+        for layer in self.layers:
+            layer.select_rows(rows)
 
     @torch.inference_mode()
     def keep(self, start: int, kept: Sequence[int]) -> None:

@@ -1,16 +1,29 @@
-"""``hierspec datastore build`` and ``info``: turning inputs and presets into a datastore directory."""
+"""``hierspec datastore build`` and ``info``: turning inputs and presets into a datastore directory.
+
+Building runs the model (a model store's answers, a dense store's hidden states), so this module sits above
+:mod:`hierspec.datastore` (formats, readers, counting) and :mod:`hierspec.decode`; nothing below imports it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
-from hierspec.config import ModelConfig
+from hierspec.batch_generate import generate_greedy_batches
+from hierspec.bench.questions import load_questions
+from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.datastore.corpus import iter_documents, preset_inputs
 from hierspec.datastore.dense import KIND as DENSE_KIND
 from hierspec.datastore.dense import DenseBuildConfig, DenseStore, TokenDocument, build_dense_store
@@ -18,24 +31,36 @@ from hierspec.datastore.format import DatastoreError, default_store_dir, read_he
 from hierspec.datastore.model_store import (
     GENERATIONS_FILE,
     ModelStoreConfig,
-    build_model_store,
     iter_prompts,
+    load_generations,
     select_prompts,
 )
 from hierspec.datastore.ngram import KIND as MODEL_KIND
-from hierspec.datastore.ngram import NgramTable
+from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
+from hierspec.datastore.output import (
+    BUILD_FILE,
+    build_lock,
+    check_output_path,
+    check_replaceable,
+    put_in_place,
+    remove_stale_temporaries,
+    resumable_work_dir,
+)
+from hierspec.decode import SpeculativeDecoder
 from hierspec.datastore.suffix import KIND as SUFFIX_KIND
 from hierspec.datastore.suffix import SuffixBuildConfig, SuffixStore, build_suffix_store
 from hierspec.errors import InputError
 from hierspec.jsonl import iter_jsonl
 from hierspec.loading import load_tokenizer, tokenizer_fingerprint
-from hierspec.tree import root_only
+from hierspec.methods import DrafterContext, make_drafter
+from hierspec.target import load_model
+from hierspec.tree import build_tree
 
 log = logging.getLogger(__name__)
 
 KINDS = (SUFFIX_KIND, MODEL_KIND, DENSE_KIND)
 #: what ``--preset default`` builds: the model store answers this many ShareGPT prompts (first user turns)
-DEFAULT_MODEL_STORE = ModelStoreConfig(max_new_tokens=128, limit=200)
+DEFAULT_MODEL_STORE = ModelStoreConfig(max_new_tokens=128, limit=2000)
 
 
 @dataclass(frozen=True)
@@ -104,8 +129,6 @@ def build_suffix(request: BuildRequest) -> dict:
 
 def build_dense(request: BuildRequest) -> dict:
     """A dense store of the target's hidden states over the request's inputs (model stores' generations included)."""
-    from hierspec.target import load_model
-
     inputs = _checked_inputs(request)
     target = load_model(config=request.model)
     documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
@@ -148,8 +171,6 @@ def _checked_inputs(request: BuildRequest) -> list[tuple[Path, str]]:
 
 def build_model(request: BuildRequest) -> dict:
     """A model store: the target answers the request's prompts (resumably), then its n-grams are counted."""
-    from hierspec.target import load_model
-
     if not request.prompts:
         raise InputError("a model store needs --prompts FILE (jsonl of user turns)")
     for path in request.prompts:
@@ -164,8 +185,6 @@ def build_model(request: BuildRequest) -> dict:
 
 def build_default(request: BuildRequest) -> dict:
     """``--preset default``: a ShareGPT suffix store and a model store of ShareGPT prompts, for one model."""
-    from hierspec.target import load_model
-
     target = load_model(config=request.model)
     root = Path(request.out_dir) if request.out_dir else default_store_dir(target.tokenizer_fingerprint)
     (sharegpt, _), = preset_inputs("sharegpt")
@@ -191,23 +210,26 @@ def build_default(request: BuildRequest) -> dict:
     return headers
 
 
-def estimate_minutes(target, config: ModelStoreConfig, steps: int = 8) -> float:
-    """Rough time to generate a model store from timed one-token steps, assuming answers use 80% of
-    ``max_new_tokens`` and speculative decoding saves 15% (tqdm's ETA refines it while generating)."""
+def estimate_minutes(target, config: ModelStoreConfig, steps: int = 4) -> float:
+    """Rough time to generate a model store, from timed forwards of ``batch_size`` rows: a batch runs until its
+    longest answer ends, about ``max_new_tokens`` steps (tqdm's ETA refines the estimate while generating)."""
+    rows = max(1, config.batch_size)
     cache = target.new_cache()
     ids = target.encode_prompt("Hello")
     target.prefill(cache, ids[:-1])
+    past = cache.get_seq_length()
+    tree = build_tree(ids[-1], [ids[:1] * (rows - 1)] if rows > 1 else [])
     start = time.perf_counter()
     for _ in range(steps):
-        target.forward_tree(cache, root_only(ids[-1]))  # the cache grows by one token per step, as in decoding
+        target.forward_tree(cache, tree)
+        target.keep_path(cache, past, [0])
     target.synchronize()
-    per_token = (time.perf_counter() - start) / steps
-    return (config.limit or 1) * 0.8 * config.max_new_tokens * per_token * 0.85 / 60
+    per_step = (time.perf_counter() - start) / steps
+    batches = -(-(config.limit or 1) // rows)
+    return batches * config.max_new_tokens * per_step / 60
 
 
 def _excluded(request: BuildRequest) -> list[str]:
-    from hierspec.bench.questions import load_questions
-
     return [turn for path in request.exclude_questions for q in load_questions(path) for turn in q.turns]
 
 
@@ -235,3 +257,132 @@ def info(directory: str, verify: bool = False) -> dict:
         described["verified"] = store.verify(header.get("vocab_size")) if header["kind"] == DENSE_KIND else (
             store.verify())
     return described
+
+
+def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, config: ModelStoreConfig,
+                      overwrite: bool = False, prompt_source: str = "") -> dict:
+    """Generate answers with ``target`` (resumably), count their n-grams and write the table; return the header.
+
+    The build works in ``.NAME.partial/`` beside ``out_dir`` (an interrupted build resumes there) and is put in place
+    at the end (:mod:`hierspec.datastore.output`). Rerunning on a finished store with the same prompts only
+    recounts its n-grams: the old table stays readable until the new one replaces it.
+    """
+    out_dir = check_output_path(Path(out_dir))
+    prompts = list(prompts if config.limit is None else _take(prompts, config.limit))
+    if not prompts:
+        raise InputError("no prompts to generate from")
+    params = _build_params(target, prompts, config)
+    with build_lock(out_dir):
+        remove_stale_temporaries(out_dir)
+        work = _work_dir(out_dir, params, overwrite)
+        start = time.perf_counter()
+        done = load_generations(work / GENERATIONS_FILE)
+        generate_missing(target, prompts, work / GENERATIONS_FILE, done, config)
+        records = load_generations(work / GENERATIONS_FILE)
+        docs = [np.asarray(r["context_tail"][-config.key_len :] + r["token_ids"], dtype=np.int64)
+                for r in (records[i] for i in range(len(prompts)))]
+        grams, counts = count_ngrams(docs, config.key_len + config.value_len)
+        grams, counts = top_ngrams(grams, counts, config.top_k, config.key_len)
+        generated = sum(len(r["token_ids"]) for r in records.values())
+        seconds = sum(r.get("seconds", 0.0) for r in records.values())
+        header = write_ngram_table(
+            work, grams, counts, config.key_len, target.vocab_size, target.name, target.tokenizer_fingerprint,
+            model=target.name, num_prompts=len(prompts), generated_tokens=generated,
+            generation_seconds=round(seconds, 1), build_seconds=round(time.perf_counter() - start, 1),
+            top_k=config.top_k, prompt_source=prompt_source, method=config.method,
+            max_new_tokens=config.max_new_tokens,
+        )
+        put_in_place(work, out_dir, overwrite=True if _same_build(out_dir, params) else overwrite)
+    return header
+
+
+def _work_dir(out_dir: Path, params: dict, overwrite: bool) -> Path:
+    """Where this build writes: a copy of a finished store of the same prompts (a recount), an unfinished build
+    left in ``out_dir`` by an older hierspec (adopted), or the resumable ``.NAME.partial``."""
+    if _same_build(out_dir, params) and (out_dir / "header.json").is_file():
+        work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        for name in (BUILD_FILE, GENERATIONS_FILE):
+            shutil.copy2(out_dir / name, work / name)
+        return work
+    if _same_build(out_dir, params) and not (out_dir.parent / f".{out_dir.name}.partial").exists():
+        os.rename(out_dir, out_dir.parent / f".{out_dir.name}.partial")
+    elif out_dir.exists() and (out_dir / BUILD_FILE).is_file() and not overwrite:
+        raise DatastoreError(f"{out_dir} holds a build of other prompts or settings; pass --overwrite to replace it")
+    else:
+        check_replaceable(out_dir, overwrite)
+    return resumable_work_dir(out_dir, params, restart=overwrite)
+
+
+def _same_build(out_dir: Path, params: dict) -> bool:
+    """True when ``out_dir`` holds the generations of a build with these parameters."""
+    try:
+        previous = json.loads((out_dir / BUILD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    previous.pop("prompt_source", None)  # written by older hierspec; the prompts' digest identifies them
+    return previous == params
+
+
+def _take(items: Iterable[str], n: int) -> Iterator[str]:
+    for i, item in enumerate(items):
+        if i >= n:
+            return
+        yield item
+
+
+def _build_params(target, prompts: list[str], config: ModelStoreConfig) -> dict:
+    """What the generations depend on: a build with other parameters cannot resume or recount this one's."""
+    digest = hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
+    return {"model": target.name, "tokenizer_fingerprint": target.tokenizer_fingerprint,
+            "max_new_tokens": config.max_new_tokens, "num_prompts": len(prompts), "prompts_sha256": digest}
+
+
+
+
+def generate_missing(target, prompts: list[str], path: Path, done: dict[int, dict], config: ModelStoreConfig) -> None:
+    """Answer every prompt not in ``done``, appending one jsonl line (flushed) per answer — ``batch_size`` prompts
+    per batched greedy generation, or one at a time with ``config.method`` when ``batch_size`` is 1."""
+    todo = [i for i in range(len(prompts)) if i not in done]
+    encoded: dict[int, list[int] | None] = {}
+    for index in todo:
+        try:
+            encoded[index] = target.encode_prompt(prompts[index])
+        except InputError as exc:
+            log.info("prompt %d skipped: %s", index, exc)
+            encoded[index] = None
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="generating", unit="prompt")
+    tokens = sum(len(r["token_ids"]) for r in done.values())
+    with open(path, "a", encoding="utf-8") as handle:
+        for index, answer, seconds in _answers(target, encoded, config):
+            ids = encoded[index]
+            record = ({"index": index, "prompt": prompts[index], "context_tail": [], "token_ids": [],
+                       "skipped": True} if ids is None else
+                      {"index": index, "prompt": prompts[index], "text": target.decode(answer),
+                       "context_tail": ids[-8:], "token_ids": answer, "seconds": round(seconds, 3)})
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            done[index] = record
+            tokens += len(record["token_ids"])
+            bar.set_postfix(tokens=tokens, refresh=False)
+            bar.update(1)
+    bar.close()
+
+
+def _answers(target, encoded: dict[int, list[int] | None], config: ModelStoreConfig):
+    """``(index, answer ids, seconds)`` for every prompt to answer, skipped ones (``None``) with no answer."""
+    for index in [i for i, ids in encoded.items() if ids is None]:
+        yield index, [], 0.0
+    todo = [i for i, ids in encoded.items() if ids is not None]
+    if config.batch_size > 1:
+        start = time.perf_counter()
+        batch = generate_greedy_batches(target, [encoded[i] for i in todo], config.max_new_tokens, config.batch_size)
+        for position, answer in batch:
+            now = time.perf_counter()
+            yield todo[position], answer, now - start  # the batch's time, charged to its answers in turn
+            start = now
+        return
+    decoder = SpeculativeDecoder(target, make_drafter(config.method, DrafterContext(target)))
+    generation = GenerationConfig(max_new_tokens=config.max_new_tokens)
+    for index in todo:
+        result = decoder.generate(encoded[index], generation)
+        yield index, result.token_ids, result.stats.total_time
