@@ -69,6 +69,7 @@ class HierarchyConfig:
         candidates: (``tree=scored``) sequences read from each database per step.
         t_k: successors kept per token in the successor table (the verifier's top-k, computed every step when
             ``t`` is in ``order``).
+        t_width: successor chains read per step (one from each of the root's best successors).
         learn: the model store keeps learning: every finished generation adds its n-grams and the successor table
             is persisted with it (:class:`~hierspec.datastore.learning.LearningStore`; created at the default
             location when no model store is given).
@@ -92,14 +93,15 @@ class HierarchyConfig:
     tree: str = "scored"
     candidates: int = 6
     t_k: int = 4
+    t_width: int = 3
     learn: bool = False
     flush_every: int = 8
 
     def __post_init__(self) -> None:
         if self.tree not in {"scored", "fixed"}:
             raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
-        if self.candidates < 1 or self.t_k < 1 or self.flush_every < 1:
-            raise InputError("hd needs candidates, t_k and flush_every >= 1")
+        if min(self.candidates, self.t_k, self.t_width, self.flush_every) < 1:
+            raise InputError("hd needs candidates, t_k, t_width and flush_every >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
@@ -254,7 +256,8 @@ class HierarchyDrafter(Drafter):
             model, successors = LearningDatabase(learning, model), learning.successors
         self.successors = successors if "t" in self.config.order else None
         self.verifier_topk = max(self.config.recycle_topk, self.config.t_k if self.successors is not None else 1)
-        successor_db = SuccessorDatabase(self.successors, self.config.m) if self.successors is not None else None
+        successor_db = (SuccessorDatabase(self.successors, self.config.m, self.config.t_width)
+                         if self.successors is not None else None)
         available = {"c": self.context_db, "m": model, "s": statistics, "d": dense, "t": successor_db}
         self.databases: list[tuple[str, DraftDatabase]] = [
             (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
