@@ -342,3 +342,17 @@ def test_every_error_has_the_openai_shape(live, method, path, body, status):
         response = httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"},
                               timeout=30)
     _openai_error(response, status)
+
+
+def test_a_corrupt_store_never_brings_the_server_down(tmp_path):
+    from hierspec.drafters.rest import RestDrafter
+
+    target = make_target("llama", vocab_size=64, seed=5, max_positions=128)
+    store = _suffix_store(tmp_path)
+    _corrupt_suffix_array(store)
+    with LiveServer(target, RestDrafter(SuffixStore.open(store))) as server:
+        for _ in range(3):
+            response = _post(server, "/v1/completions", {"model": MODEL, "prompt": "w1 w2 w3 w4", "max_tokens": 8,
+                                                         "temperature": 0})
+            assert response.status_code == 200, response.text
+        assert httpx.get(f"{server.url}/health", timeout=5).json()["status"] == "ok"

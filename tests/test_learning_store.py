@@ -127,3 +127,19 @@ def test_the_successor_source_alone_is_lossless_and_learns_within_a_run():
         reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
         assert decoder.generate(prompt, config).token_ids == reference
     assert drafter.successors.updates > 0
+
+
+def test_serve_learns_into_a_model_store_only_when_there_is_one(tmp_path):
+    from hierspec.cli import server_learning
+    from hierspec.methods import MethodSpec
+
+    target = make_target("llama", vocab_size=VOCAB, seed=3)
+    without = DrafterContext(target, store_root=str(tmp_path))
+    assert server_learning(MethodSpec.parse("hd"), without, True) == MethodSpec.parse("hd")  # nothing to learn into
+    store = tmp_path / "given-model"
+    LearningStore.open(store, target.name, target.tokenizer_fingerprint, VOCAB)
+    given = DrafterContext(target, (str(store),), store_root=str(tmp_path))
+    assert dict(server_learning(MethodSpec.parse("hd"), given, True).options)["learn"] == "true"
+    assert server_learning(MethodSpec.parse("hd"), given, False) == MethodSpec.parse("hd")  # --no-learn
+    assert server_learning(MethodSpec.parse("hd:learn=false"), given, True) == MethodSpec.parse("hd:learn=false")
+    assert server_learning(MethodSpec.parse("pld"), given, True) == MethodSpec.parse("pld")

@@ -113,13 +113,16 @@ class _FixedDatabase:
 
 
 def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
+    """Scored trees over the context database, a model database and the successor table."""
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+    from hierspec.drafters.successors import SuccessorTable
 
     sampling = SETTINGS["temperature-0.7-top-p-0.9"]
     joint = exact_joint(exact_table(target, sampling))
     counts, forwards_per_run = sample_counts(
         target,
-        lambda: HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="cm", recycle_topk=2, tree="scored"), _FixedDatabase()),
+        lambda: HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="cmt", recycle_topk=2, tree="scored"),
+                                 _FixedDatabase(), successors=SuccessorTable(VOCAB, 4)),
         sampling,
     )
     assert counts[joint == 0].sum() == 0

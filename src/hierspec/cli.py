@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=256)
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
                        help="larger request bodies are refused with 413 (default 1048576)")
+    serve.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
+                       help="hd: every finished request adds its n-grams to the model store (default: on when a "
+                            "model store is given or found)")
 
     calibrate = sub.add_parser("calibrate", help="measure the target's verification cost for 1..64 tree tokens")
     _add_model_options(calibrate)
@@ -304,12 +307,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be between 1 and 65535, not {args.port}")
     spec = MethodSpec.parse(args.method)
     model = _load(args)
-    drafter = make_drafter(spec, _drafter_context(args, model))
+    context = _drafter_context(args, model)
+    spec = server_learning(spec, context, args.learn)
+    drafter = make_drafter(spec, context)
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
                           max_queue=args.max_queue, timeout_s=args.timeout,
                           default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes)
     serve(model, drafter, config, host=args.host, port=args.port)
     return 0
+
+
+def server_learning(spec, context, learn: bool):
+    """``hd`` under ``hierspec serve`` learns into its model store when there is one (``--no-learn`` turns it off;
+    a ``learn=`` written in the method wins)."""
+    from hierspec.methods import MethodSpec
+
+    options = dict(spec.options)
+    if spec.name != "hd" or "learn" in options or not learn or context.optional_datastore("model") is None:
+        return spec
+    return MethodSpec(spec.name, (*spec.options, ("learn", "true")))
 
 
 def cmd_datastore(args: argparse.Namespace) -> int:
