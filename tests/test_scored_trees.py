@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 
 from hierspec.accept import Verdict
-from hierspec.drafters.scored import AcceptanceModel, Candidate, depth_bin, select_tree
+from hierspec.drafters.scored import AcceptanceModel, Candidate, select_tree
 
 
 def _model_with_rates(rates: dict) -> AcceptanceModel:
     """An acceptance model whose (source, confidence, depth) cells have exactly the given rates."""
     model = AcceptanceModel(["a", "b"])
     for (source, confidence, depth), (hits, trials) in rates.items():
-        cell = (model._index[source], confidence, depth_bin(depth))
+        cell = model.cell(source, confidence, depth)
         model.hits[cell], model.trials[cell] = hits, trials
     return model
 
@@ -66,11 +66,14 @@ def test_learning_counts_a_node_only_when_its_parent_was_accepted():
     tree = scored.tree  # BFS: 9 | 5 8 | 6 | 7
     assert tree.tokens.tolist() == [9, 5, 8, 6, 7]
     model.learn(scored, Verdict(tree=tree, path=(1,), bonus=3, target_argmax=np.zeros(5, dtype=np.int64)))
-    a = model._index["a"]
-    assert model.trials[a, 0, 0] == 1 and model.hits[a, 0, 0] == 1  # node 5: tried, accepted
-    assert model.trials[a, 2, 0] == 1 and model.hits[a, 2, 0] == 0  # node 8: tried, rejected
-    assert model.trials[a, 0, 1] == 1 and model.hits[a, 0, 1] == 0  # node 6: its parent 5 was accepted
-    assert model.trials[a, 0, 2] == 0  # node 7: its parent 6 was rejected, so it was never really tried
+    def counts(confidence, depth):
+        cell = model.cell("a", confidence, depth)
+        return model.trials[cell], model.hits[cell]
+
+    assert counts(0, 1) == (1, 1)  # node 5: tried, accepted
+    assert counts(2, 1) == (1, 0)  # node 8: tried, rejected
+    assert counts(0, 2) == (1, 0)  # node 6: its parent 5 was accepted
+    assert counts(0, 3) == (0, 0)  # node 7: its parent 6 was rejected, so it was never really tried
     assert model.rate("a", 0, 1) == pytest.approx(2 / 5)
     counts = model.calibration_counts()
     assert sum(counts["nodes"]) == 4 and sum(counts["accepted"]) == 1

@@ -82,9 +82,13 @@ class AcceptanceModel:
         for counts in (self.predicted, self.observed, self.counted):
             counts[:] = 0
 
+    def cell(self, source: str, confidence: int, depth: int) -> tuple[int, int, int]:
+        """The (source, confidence bin, depth bin) cell counting nodes like this one."""
+        return self._index[source], min(confidence, CONFIDENCE_BINS - 1), depth_bin(depth)
+
     def rate(self, source: str, confidence: int, depth: int) -> float:
         """Probability that a node is accepted given that its parent was."""
-        cell = (self._index[source], min(confidence, CONFIDENCE_BINS - 1), depth_bin(depth))
+        cell = self.cell(source, confidence, depth)
         return float((self.hits[cell] + PRIOR_HITS) / (self.trials[cell] + PRIOR_TRIALS))
 
     def learn(self, tree: "ScoredTree", verdict: Verdict) -> None:
@@ -137,10 +141,9 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     for candidate in candidates:
         node = 0
         for depth, token in enumerate(candidate.tokens, start=1):
-            confidence = min(candidate.confidence, CONFIDENCE_BINS - 1)
-            cell = (model._index[candidate.source], confidence, depth_bin(depth))
-            node = trie.add(node, int(token), trie.probability[node] * model.rate(candidate.source, confidence, depth),
-                            candidate.source, cell)
+            rate = model.rate(candidate.source, candidate.confidence, depth)
+            node = trie.add(node, int(token), trie.probability[node] * rate, candidate.source,
+                            model.cell(candidate.source, candidate.confidence, depth))
     if trie.size == 1 or budget <= 0:
         return _empty(root)
     p = np.asarray(trie.probability)
