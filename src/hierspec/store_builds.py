@@ -39,11 +39,10 @@ from hierspec.datastore.ngram import KIND as MODEL_KIND
 from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
 from hierspec.datastore.output import (
     BUILD_FILE,
-    build_lock,
-    check_output_path,
     check_replaceable,
+    claimed_output,
     put_in_place,
-    remove_stale_temporaries,
+    read_build_params,
     resumable_work_dir,
 )
 from hierspec.decode import SpeculativeDecoder
@@ -267,13 +266,11 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
     at the end (:mod:`hierspec.datastore.output`). Rerunning on a finished store with the same prompts only
     recounts its n-grams: the old table stays readable until the new one replaces it.
     """
-    out_dir = check_output_path(Path(out_dir))
     prompts = list(prompts if config.limit is None else _take(prompts, config.limit))
     if not prompts:
         raise InputError("no prompts to generate from")
     params = _build_params(target, prompts, config)
-    with build_lock(out_dir):
-        remove_stale_temporaries(out_dir)
+    with claimed_output(out_dir) as out_dir:
         work = _work_dir(out_dir, params, overwrite)
         start = time.perf_counter()
         done = load_generations(work / GENERATIONS_FILE)
@@ -315,9 +312,8 @@ def _work_dir(out_dir: Path, params: dict, overwrite: bool) -> Path:
 
 def _same_build(out_dir: Path, params: dict) -> bool:
     """True when ``out_dir`` holds the generations of a build with these parameters."""
-    try:
-        previous = json.loads((out_dir / BUILD_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    previous = read_build_params(out_dir)
+    if previous is None:
         return False
     previous.pop("prompt_source", None)  # written by older hierspec; the prompts' digest identifies them
     return previous == params

@@ -40,11 +40,9 @@ from hierspec.datastore.format import (
 )
 from hierspec.datastore.output import (
     BUILD_FILE,
-    build_lock,
-    check_output_path,
     check_replaceable,
+    claimed_output,
     put_in_place,
-    remove_stale_temporaries,
     resumable_work_dir,
     write_json_atomic,
 )
@@ -295,11 +293,9 @@ def build_dense_store(target, documents: Iterable[TokenDocument], out_dir: str |
 
     Resumes an interrupted build of the same inputs and settings (see the module docstring).
     """
-    out_dir = check_output_path(Path(out_dir))
     if config.pca_dim > target.hidden_size:
         raise InputError(f"--pca-dim {config.pca_dim} exceeds the model's hidden size {target.hidden_size}")
-    with build_lock(out_dir):
-        remove_stale_temporaries(out_dir)
+    with claimed_output(out_dir) as out_dir:
         check_replaceable(out_dir, overwrite)
         sources = list(sources)
         documents = list(_limit_keys(documents, config.max_keys))

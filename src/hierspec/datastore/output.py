@@ -49,8 +49,10 @@ def check_output_path(out_dir: Path) -> Path:
     return resolved
 
 
+#: the parameters of a resumable build, written first into its directory
+BUILD_FILE = "build.json"
 #: files an unfinished hierspec build leaves in its directory (older hierspec built model stores in place)
-_BUILD_FILES = frozenset({"build.json", "generations.jsonl", "progress.json", "ngrams.tokens", "ngrams.counts"})
+_BUILD_FILES = frozenset({BUILD_FILE, "generations.jsonl", "progress.json", "ngrams.tokens", "ngrams.counts"})
 
 
 def replaceable(out_dir: Path) -> bool:
@@ -59,7 +61,7 @@ def replaceable(out_dir: Path) -> bool:
     if not out_dir.is_dir() or out_dir.is_symlink():
         return False
     names = {p.name for p in out_dir.iterdir()}
-    if not names or ("build.json" in names and names <= _BUILD_FILES):
+    if not names or (BUILD_FILE in names and names <= _BUILD_FILES):
         return True
     try:
         read_header(out_dir)
@@ -151,15 +153,23 @@ def put_in_place(work: Path, out_dir: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
+def claimed_output(out_dir: str | Path) -> Iterator[Path]:
+    """Check ``out_dir`` (:func:`check_output_path`), hold its lock for the block and remove temporaries of dead
+    builds beside it; yield its absolute path. Every build starts here."""
+    out_dir = check_output_path(Path(out_dir))
+    with build_lock(out_dir):
+        remove_stale_temporaries(out_dir)
+        yield out_dir
+
+
+@contextlib.contextmanager
 def build_output(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary directory beside ``out_dir`` that becomes ``out_dir`` when the block succeeds.
 
     The whole build holds ``out_dir``'s lock; stale temporaries are removed first; ``out_dir`` is checked before the
     build starts and again when it is put in place.
     """
-    out_dir = check_output_path(Path(out_dir))
-    with build_lock(out_dir):
-        remove_stale_temporaries(out_dir)
+    with claimed_output(out_dir) as out_dir:
         check_replaceable(out_dir, overwrite)
         work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         try:
@@ -170,7 +180,13 @@ def build_output(out_dir: str | Path, overwrite: bool = False) -> Iterator[Path]
                 shutil.rmtree(work, ignore_errors=True)
 
 
-BUILD_FILE = "build.json"
+def read_build_params(directory: Path) -> dict | None:
+    """The parameters a resumable build wrote into ``directory`` (``None`` when there are none or they are unreadable)."""
+    try:
+        params = json.loads((directory / BUILD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return params if isinstance(params, dict) else None
 
 
 def resumable_work_dir(out_dir: Path, params: dict, restart: bool = False) -> Path:
@@ -182,11 +198,7 @@ def resumable_work_dir(out_dir: Path, params: dict, restart: bool = False) -> Pa
     """
     work = out_dir.parent / f".{out_dir.name}.partial"
     if work.exists():
-        try:
-            previous = json.loads((work / BUILD_FILE).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            previous = None
-        if previous == params:
+        if read_build_params(work) == params:
             log.info("resuming the build in %s", work)
             return work
         if not restart:
