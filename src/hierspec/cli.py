@@ -184,7 +184,7 @@ def _load(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from hierspec.api import make_config
     from hierspec.decode import SpeculativeDecoder
-    from hierspec.methods import DrafterContext, MethodSpec, make_drafter
+    from hierspec.methods import MethodSpec, make_drafter
 
     config = make_config(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -298,7 +298,7 @@ def served_model_name(spec: str | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from hierspec.methods import DrafterContext, MethodSpec, make_drafter
+    from hierspec.methods import MethodSpec, make_drafter
     from hierspec.server import ServerConfig, serve
 
     if args.max_queue < 1 or args.timeout <= 0 or args.default_max_tokens < 1 or args.max_body_bytes < 1:
