@@ -130,8 +130,9 @@ def test_frequent_rows_ranks_and_trims_padding():
 
 @pytest.mark.parametrize("option", ["order=cx", "order=cc", "n=0", "s_min_share=2", "l=0"])
 def test_bad_options_are_refused(option):
-    with pytest.raises(InputError):
-        make_drafter(f"hd:{option}")
+    target = make_target("llama", vocab_size=32, seed=4)
+    with pytest.raises(InputError, match="order|must|share|>="):
+        make_drafter(f"hd:{option}", target)
 
 
 def test_per_source_accounting_in_a_real_run():

@@ -7,7 +7,7 @@ from typing import TextIO
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
-from hierspec.methods import make_drafter
+from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel
 
 DEMO_PROMPTS = (
@@ -22,14 +22,19 @@ DEMO_PROMPTS = (
 )
 
 
-def run_demo(model: TargetModel, method: str = "hd", max_new_tokens: int = 96, out: TextIO | None = None) -> dict:
-    """Generate each demo prompt with ``ar`` and with ``method``; print a table and return the totals."""
+def run_demo(model: TargetModel, method: str = "hd", max_new_tokens: int = 96, out: TextIO | None = None,
+             context: DrafterContext | None = None) -> dict:
+    """Generate each demo prompt with ``ar`` and with ``method``; print a table and return the totals.
+
+    The drafter is built exactly as ``hierspec generate`` builds it (:func:`~hierspec.methods.make_drafter` with
+    ``context``, by default the model alone with the stores found at the default place).
+    """
     import sys
 
     out = out or sys.stdout
     config = GenerationConfig(max_new_tokens=max_new_tokens)
     plain = SpeculativeDecoder(model, NoDrafter())
-    spec = SpeculativeDecoder(model, make_drafter(method))
+    spec = SpeculativeDecoder(model, make_drafter(method, context or DrafterContext(model)))
     plain.generate(model.encode_prompt("Hello"), GenerationConfig(max_new_tokens=4))  # warm-up, untimed
     totals = {"ar_tokens": 0, "ar_time": 0.0, "spec_tokens": 0, "spec_time": 0.0, "identical": 0}
     print(f"model: {model.name} on {model.device} ({str(model.dtype).replace('torch.', '')})", file=out)

@@ -9,17 +9,24 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters import Drafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.errors import InputError
+
+if TYPE_CHECKING:
+    from hierspec.target import TargetModel
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DrafterContext:
-    """What a method may need besides its options: the target (for tokenizer checks) and datastore directories.
+    """What a method may need besides its options: the loaded target and datastore directories.
+
+    Every drafter is built for one loaded model (``hd`` reads the target's vocabulary for its successor table,
+    ``rest`` and ``hd`` check a store's tokenizer against it, ``sd`` shares its layers), so ``target`` is required.
 
     ``draft_model`` / ``middle_model`` / ``self_verify`` are the command line's defaults for ``sd`` and ``hsddw``
     (a method's own ``draft=`` / ``middle=`` options win); ``model_config`` is how to load such models.
@@ -29,7 +36,7 @@ class DrafterContext:
     ``None`` means ``~/.cache/hierspec/datastores``) unless ``find_default_stores`` is off.
     """
 
-    target: object | None = None
+    target: TargetModel
     datastores: tuple[str, ...] = ()
     store_root: str | None = None
     find_default_stores: bool = True
@@ -42,22 +49,17 @@ class DrafterContext:
     def load_cost_curve(self):
         """The target's verification cost curve: ``cost_curve`` if given, else this model's default location."""
         from hierspec.calibration import default_curve_path, load_curve
-        from hierspec.target import TargetModel
 
         if self.cost_curve:
             return load_curve(self.cost_curve)
-        if not isinstance(self.target, TargetModel):
-            raise InputError("budget=auto needs the target model to find its cost curve")
         return load_curve(default_curve_path(self.target))
 
     def load_draft_lm(self, spec: str, method: str):
         """A :class:`~hierspec.draft_lm.DraftLM` for ``self:K`` (the target's first K layers) or a model to load
         (id, directory or ``.gguf``; it must share the target's tokenizer)."""
         from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model
-        from hierspec.target import TargetModel, load_model
+        from hierspec.target import load_model
 
-        if not isinstance(self.target, TargetModel):
-            raise InputError(f"method {method!r} needs the target model to build its draft model")
         if spec.startswith(SELF_PREFIX):
             return DraftLM(self_drafting_model(self.target, self_layers(spec, self.target)), self.target.vocab_size)
         draft = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
@@ -78,14 +80,13 @@ class DrafterContext:
             if read_header(path).get("kind") == kind:
                 return path
         fingerprint, _ = self.fingerprint()
-        if not self.find_default_stores or fingerprint is None:
+        if not self.find_default_stores:
             return None
         candidate = default_store_dir(fingerprint, self.store_root) / kind
         return str(candidate) if (candidate / "header.json").is_file() else None
 
-    def fingerprint(self) -> tuple[str | None, str]:
-        if self.target is None:
-            return None, ""
+    def fingerprint(self) -> tuple[str, str]:
+        """The target's tokenizer fingerprint and name, which every store it reads must match."""
         return self.target.tokenizer_fingerprint, self.target.name
 
 
@@ -170,32 +171,24 @@ def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
         statistics = StatisticsDatabase(SuffixStore.open(suffix_dir, fingerprint, name), config.m,
                                         n_min=config.s_n_min, k=config.s_k, min_share=config.s_min_share)
     if dense_dir:
-        dense = DenseRetriever(_open_dense_store(dense_dir, context, spec),
+        dense = DenseRetriever(_open_dense_store(dense_dir, context),
                                DenseConfig(k=config.d_k, min_score=config.d_min_score))
     learning = successors = None
     if config.learn:
         learning = _learning_store(model_dir, context, config, spec)
     elif "t" in config.order:
-        successors = SuccessorTable(_target(context, spec).vocab_size, config.t_k)
+        successors = SuccessorTable(context.target.vocab_size, config.t_k)
     drafter = HierarchyDrafter(config, model, statistics, dense, cost=_verification_cost(context),
                                successors=successors, learning=learning)
     log.info("hd reads %s", " > ".join(drafter.sources))
     return drafter
 
 
-def _target(context: DrafterContext, spec: MethodSpec):
-    from hierspec.target import TargetModel
-
-    if not isinstance(context.target, TargetModel):
-        raise InputError(f"method {spec.label!r} needs the target model")
-    return context.target
-
-
 def _learning_store(model_dir: str | None, context: DrafterContext, config, spec: MethodSpec):
     """The model store ``hd:learn=true`` learns into: the one given or found, else a new one at the default place."""
     from hierspec.datastore.learning import LearningStore
 
-    target = _target(context, spec)
+    target = context.target
     directory = model_dir or default_store_dir(target.tokenizer_fingerprint, context.store_root) / "model"
     shape = read_header(directory) if model_dir else {}
     return LearningStore.open(directory, target.name, target.tokenizer_fingerprint, target.vocab_size,
@@ -205,18 +198,15 @@ def _learning_store(model_dir: str | None, context: DrafterContext, config, spec
 
 def _verification_cost(context: DrafterContext):
     from hierspec.calibration import verification_cost
-    from hierspec.target import TargetModel
 
     if context.cost_curve:
         return context.load_cost_curve().cost
-    return verification_cost(context.target) if isinstance(context.target, TargetModel) else None
+    return verification_cost(context.target)
 
 
-def _open_dense_store(directory: str, context: DrafterContext, spec: MethodSpec):
+def _open_dense_store(directory: str, context: DrafterContext):
     from hierspec.datastore.dense import DenseStore
 
-    if context.target is None:
-        raise InputError(f"method {spec.name!r} needs the target model to read a dense store")
     return DenseStore.open(directory, context.target)
 
 
@@ -224,7 +214,7 @@ def _make_dense(spec: MethodSpec, context: DrafterContext) -> Drafter:
     from hierspec.drafters.dense import DenseConfig, DenseDrafter
 
     config = _config_from_options(DenseConfig, spec.options, spec.name)
-    return DenseDrafter(_open_dense_store(context.datastore("dense", spec.name), context, spec), config)
+    return DenseDrafter(_open_dense_store(context.datastore("dense", spec.name), context), config)
 
 
 def self_layers(spec: str, target) -> int:
@@ -339,15 +329,26 @@ def split_methods(text: str) -> list[str]:
     return methods
 
 
-def make_drafter(method: str | MethodSpec, context: DrafterContext | None = None) -> Drafter:
+def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel) -> Drafter:
     """Build the drafter of a method given as text (``"pld:max_ngram=4"``) or a parsed :class:`MethodSpec`.
 
-    ``context`` supplies the target model and datastore directories for methods that need them (``rest``).
-    Every method takes ``budget=auto``: its trees are trimmed by :class:`~hierspec.drafters.cost_aware.CostAwareDrafter`
-    with the cost curve ``hierspec calibrate`` measured.
+    This is the one way hierspec turns a method name into a drafter: the command line (``generate``, ``demo``,
+    ``serve``), the Python API, the benchmark and the store builder all call it. ``context`` is a
+    :class:`DrafterContext` (the target plus datastores and draft-model choices) or just the loaded target.
+    Every method takes ``budget=auto``: its trees are trimmed by
+    :class:`~hierspec.drafters.cost_aware.CostAwareDrafter` with the cost curve ``hierspec calibrate`` measured.
+
+    Raises:
+        InputError: for an unknown method or option, a context without a loaded model, or a missing store.
     """
+    from hierspec.target import TargetModel
+
     spec = MethodSpec.parse(method) if isinstance(method, str) else method
-    context = context or DrafterContext()
+    if isinstance(context, TargetModel):
+        context = DrafterContext(context)
+    if not isinstance(context, DrafterContext) or not isinstance(context.target, TargetModel):
+        raise InputError(f"make_drafter({spec.label!r}, ...) needs the loaded target model "
+                         "(hierspec.load_model()) or a DrafterContext holding it")
     budget = dict(spec.options).get("budget")
     if budget is None:
         return METHODS[spec.name](spec, context)

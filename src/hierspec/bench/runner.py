@@ -152,6 +152,7 @@ def _with_seed(config: GenerationConfig, seed: int | None) -> GenerationConfig:
 def make_runners(model: TargetModel, methods: tuple[str, ...], config: GenerationConfig,
                  context: DrafterContext | None = None) -> list:
     """One runner per method; the ``ar`` baseline is added first when missing (speedups are relative to it)."""
+    context = context or DrafterContext(model)
     specs = [m.strip() for m in methods if m.strip()]
     if BASELINE not in specs:
         specs.insert(0, BASELINE)
@@ -160,9 +161,9 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
     runners = []
     for text in specs:
         if text in HF_METHODS:
-            runners.append(_hf_runner(text, model, config, context or DrafterContext(model)))
+            runners.append(_hf_runner(text, model, config, context))
         else:
-            runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context or DrafterContext(model)))
+            runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context))
     return runners
 
 
