@@ -17,6 +17,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel, load_model
+from hierspec.tree import build_tree
 from tiny import make_model, make_tokenizer, save_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -119,3 +120,47 @@ def test_bench_runs_every_kind_of_method_on_the_gpu(tmp_path):
     assert set(summary["methods"]) == {"ar", *methods}
     for method in ("hf-ar", "pld", "hd:l=1", "sd", "hsddw"):
         assert summary["methods"][method]["identical_to_ar"] == 1.0, method
+
+
+def _graphed(dtype: torch.dtype, seed: int = 6) -> TargetModel:
+    model = make_model("llama", vocab_size=VOCAB, seed=seed, layers=4).to(dtype).to("cuda")
+    return TargetModel(model, make_tokenizer(VOCAB), "tiny-graphs")
+
+
+def test_cuda_runs_on_graphs_by_default_and_replay_equals_the_same_forward_uncaptured():
+    target = _graphed(torch.float32)
+    assert target.runtime.kind == "graphs"
+    prompt = _prompts(1, seed=5)[0]
+    trees = [build_tree(prompt[-1], []), build_tree(prompt[-1], [[5, 6, 7], [5, 9], [11, 12]])]
+    replayed = []
+    for _ in range(target.runtime.graphed.warmup + 2):  # eager warm-ups, the capture, then a replay
+        cache = target.new_cache(64)
+        target.prefill(cache, prompt[:-1])
+        rows = []
+        for tree in trees:
+            past = cache.get_seq_length()
+            rows.append(target.forward_tree(cache, tree).logits.clone())
+            target.keep_path(cache, past, [0])
+        replayed.append(rows)
+    assert target.runtime.graphed.captures == 2
+    for rows in replayed[1:]:
+        for got, expected in zip(rows, replayed[0]):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graphed_drafting_equals_graphed_plain_decoding_in_low_precision(dtype):
+    """Batch invariance on the GPU: a token's logits do not depend on the tree or bucket it is verified in, so
+    every method gives plain decoding's tokens in bfloat16 and float32 too."""
+    target = _graphed(dtype, seed=8)
+    config = GenerationConfig(max_new_tokens=40)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    accepted = 0
+    for prompt in _prompts(5, seed=6):
+        prompt = prompt + plain.generate(prompt, config).token_ids[:10]
+        reference = plain.generate(prompt, config).token_ids
+        for method in ("pld", "hd", "sd:draft=self:2,k=4"):
+            result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
+            assert result.token_ids == reference, method
+            accepted += result.stats.accepted_drafts
+    assert accepted > 0

@@ -51,7 +51,7 @@ def _generate_group(target: TargetModel, prompts: list[list[int]], room: int) ->
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     # a padding query sees itself only, so no row of the softmax is empty
     mask = (causal & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
-    cache = target.new_cache(capacity=width + room)
+    cache = target.runtime.eager_cache(capacity=width + room)  # batched rows: a growing cache
     logits = target.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     answers: list[list[int]] = [[] for _ in prompts]

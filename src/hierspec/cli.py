@@ -18,9 +18,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float64, bfloat16, float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
-    group.add_argument("--runtime", default="auto", choices=["auto", "packed", "eager"],
-                       help="verification runtime: auto (prepacked oneDNN linears on CPU where available), packed, "
-                            "or eager (PyTorch's own linears; no second copy of the weights)")
+    group.add_argument("--runtime", default="auto", choices=["auto", "packed", "graphs", "eager"],
+                       help="verification runtime: auto (CUDA graphs on CUDA, prepacked oneDNN linears on CPU where "
+                            "available), packed, graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
+                            "linears; no second copy of the weights)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -163,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
-    demo.add_argument("--method", default="hd")
+    demo.add_argument("--method", default="hd", help="method compared with plain decoding (as in generate)")
+    demo.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     demo.add_argument("--max-new-tokens", type=int, default=96)
+    _add_draft_model_options(demo)
     return parser
 
 
@@ -282,7 +285,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from hierspec.demo import run_demo
 
-    run_demo(_load(args), method=args.method, max_new_tokens=args.max_new_tokens, out=sys.stdout)
+    from hierspec.methods import MethodSpec
+
+    if args.max_new_tokens < 1:
+        raise InputError("--max-new-tokens must be >= 1")
+    MethodSpec.parse(args.method)  # an unknown method fails before the model loads
+    model = _load(args)
+    run_demo(model, method=args.method, max_new_tokens=args.max_new_tokens, out=sys.stdout,
+             context=_drafter_context(args, model))
     return 0
 
 

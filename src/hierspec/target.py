@@ -132,10 +132,7 @@ class TargetModel:
         """
         if not ids:
             return None
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
-                         output_hidden_states=want_hidden)
-        return out.hidden_states[-1][0, -1] if want_hidden else None
+        return self.runtime.prefill(cache, ids, want_hidden)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,9 @@ It owns what makes a forward cheap and leaves the model's code untouched:
   attending grouped-query caches in place;
 * :mod:`~hierspec.runtime.kv_cache` — a KV cache in preallocated, doubling buffers, compacted in place;
 * :mod:`~hierspec.runtime.inputs` — ids, positions and mask written into reused buffers, padded to a few bucket
-  sizes, so a row's result does not depend on the tree around it.
+  sizes, so a row's result does not depend on the tree around it;
+* :mod:`~hierspec.runtime.graphs` — on CUDA, a static KV cache owned by the runtime and reused by every generation,
+  and tree forwards replayed from CUDA graphs captured once per (rows, key width) shape.
 
 Drafters and the decoding loop know none of this. BENCHMARKS.md ("Runtime") gives what each piece bought.
 """
@@ -25,19 +27,22 @@ import torch
 from hierspec.errors import InputError
 from hierspec.runtime import attention
 from hierspec.runtime.fusion import fuse_shared_inputs
+from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache
 from hierspec.runtime.onednn import LinearPacking, probe
 
 log = logging.getLogger(__name__)
 
-RUNTIME_KINDS = ("auto", "packed", "eager")
+RUNTIME_KINDS = ("auto", "packed", "graphs", "eager")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
 PACKED_BUCKETS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: key/value views and masks of tree forwards are this many slots wide, rounded up, on the packed runtime
 PACKED_KV_ALIGN = 64
+#: row buckets of CUDA-graph tree forwards: one graph per bucket and key width, a 1-row graph for plain decoding
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,12 @@ class RuntimeConfig:
     """How verification forwards run.
 
     Attributes:
-        kind: ``"auto"`` (prepacked oneDNN linears on CPU in float32/bfloat16 where they work, else eager),
-            ``"packed"`` (the same, but an error where packing is unavailable) or ``"eager"`` (PyTorch's own
-            linears: no second copy of the weights in memory).
-        buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed, no padding otherwise.
+        kind: ``"auto"`` (CUDA graphs on CUDA; prepacked oneDNN linears on CPU in float32/bfloat16 where they
+            work; else eager), ``"packed"`` (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static
+            KV cache with tree forwards replayed from CUDA graphs; on the CPU the same static path runs uncaptured)
+            or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
+        buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed,
+            :data:`GRAPH_BUCKETS` with graphs, no padding otherwise.
     """
 
     kind: str = "auto"
@@ -72,17 +79,21 @@ class Runtime:
         self.device, self.dtype = parameter.device, parameter.dtype
         self._stock_attention = model.config._attn_implementation
         self.fused_groups: list = []
-        self.packing = self._pack_linears()
+        use_graphs = self.config.kind == "graphs" or (self.config.kind == "auto" and self.device.type == "cuda")
+        self.packing = None if use_graphs else self._pack_linears()
         model.set_attn_implementation(attention.register())
-        self.kind = "packed" if self.packing is not None else "eager"
-        default = PACKED_BUCKETS if self.packing is not None else ()
+        self.kind = "graphs" if use_graphs else "packed" if self.packing is not None else "eager"
+        default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
         self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
         self.align = PACKED_KV_ALIGN if self.packing is not None else 1
         text_config = model.config.get_text_config(decoder=True)
         self.num_layers = int(text_config.num_hidden_layers)
         heads = int(getattr(text_config, "num_attention_heads", 1))
-        self.inputs = TreeInputs(self.device, groups=heads // int(getattr(text_config, "num_key_value_heads", heads)),
-                                 align=self.align)
+        self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
+        self.inputs = TreeInputs(self.device, groups=heads // self.kv_heads, align=self.align)
+        self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
+        self._static_cache: StaticTreeCache | None = None
 
     def _pack_linears(self) -> LinearPacking | None:
         if self.config.kind == "eager":
@@ -101,11 +112,43 @@ class Runtime:
         """What runs, for benchmark records."""
         return {"kind": self.kind, "buckets": list(self.buckets),
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
-                "fused_groups": len(self.fused_groups)}
+                "fused_groups": len(self.fused_groups),
+                "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
-    def new_cache(self, capacity: int | None = None) -> TreeCache:
-        """An empty KV cache with room for ``capacity`` entries before it grows."""
+    def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:
+        """An empty KV cache with room for ``capacity`` entries.
+
+        With graphs this is the runtime's one static cache, emptied (graphs hold its address): one generation at a
+        time per loaded model. It is replaced by a larger one, and the graphs recaptured, when ``capacity`` exceeds
+        it. Otherwise a new growing cache.
+        """
+        if self.graphed is None:
+            return self.eager_cache(capacity)
+        needed = max(MIN_CAPACITY, (capacity or 0) + max(self.buckets, default=1))
+        if self._static_cache is None or self._static_cache.capacity < needed:
+            size = MIN_CAPACITY
+            while size < needed:
+                size *= 2
+            self._static_cache = None  # free the old buffer before the new one is allocated
+            self.graphed.forget()
+            self._static_cache = StaticTreeCache(self.num_layers, self.kv_heads, self.head_dim, size, self.dtype,
+                                                 self.device)
+        self._static_cache.reset()
+        return self._static_cache
+
+    def eager_cache(self, capacity: int | None = None) -> TreeCache:
+        """A growing cache for eager forwards of any batch (batched generation), whatever the runtime's kind."""
         return TreeCache(self.num_layers, capacity or DEFAULT_CAPACITY)
+
+    @torch.inference_mode()
+    def prefill(self, cache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:
+        """Fill the cache with ``ids``; with ``want_hidden``, the last hidden state of the last of them."""
+        if isinstance(cache, StaticTreeCache):
+            return self.graphed.prefill(cache, ids, want_hidden)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                         output_hidden_states=want_hidden)
+        return out.hidden_states[-1][0, -1] if want_hidden else None
 
     def rows_for(self, tree_size: int) -> int:
         """Rows a tree of ``tree_size`` nodes is verified in."""
@@ -117,6 +160,8 @@ class Runtime:
 
         The cache grows by the padded row count; the caller keeps the accepted entries afterwards.
         """
+        if isinstance(cache, StaticTreeCache):
+            return self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
         past = cache.get_seq_length()
         ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
         with cache.aligned(self.align):
