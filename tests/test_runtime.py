@@ -80,7 +80,7 @@ def test_asking_for_the_packed_runtime_where_it_is_unavailable_is_a_clear_error(
 def test_packed_runtime_swaps_linears_reversibly_and_keeps_the_state_dict():
     model = make_model("llama", dtype=torch.float32)
     names_before = sorted(model.state_dict())
-    target = TargetModel(model, make_tokenizer(64))
+    target = TargetModel(model, make_tokenizer(64), runtime=RuntimeConfig(decoder="transformers"))
     assert target.runtime.kind == "packed"
     linears = [m for m in model.modules() if isinstance(m, (nn.Linear, onednn.PackedLinear))]
     assert linears and all(type(m) is onednn.PackedLinear for m in linears)
@@ -105,7 +105,8 @@ def test_shared_input_linears_are_found_and_fused_exactly(arch):
     ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
-        target = TargetModel(model, make_tokenizer(64))  # packs nothing new, fuses the groups
+        # packs nothing new, fuses the groups
+        target = TargetModel(model, make_tokenizer(64), runtime=RuntimeConfig(decoder="transformers"))
         assert len(target.runtime.fused_groups) == 4
         after = model(input_ids=ids).logits
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
@@ -114,7 +115,7 @@ def test_shared_input_linears_are_found_and_fused_exactly(arch):
 @needs_onednn
 def test_a_fused_member_called_on_another_input_still_computes_its_own_product():
     model = make_model("llama", dtype=torch.float32, layers=1)
-    target = TargetModel(model, make_tokenizer(64))
+    target = TargetModel(model, make_tokenizer(64), runtime=RuntimeConfig(decoder="transformers"))
     q_proj = model.model.layers[0].self_attn.q_proj
     assert q_proj.group is not None
     x, y = torch.randn(1, 3, 32), torch.randn(1, 3, 32)

@@ -26,6 +26,7 @@ import torch
 
 from hierspec.errors import InputError
 from hierspec.runtime import attention
+from hierspec.runtime.decoder import LlamaFamilyDecoder, build_decoder
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
@@ -56,10 +57,14 @@ class RuntimeConfig:
             or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
         buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed,
             :data:`GRAPH_BUCKETS` with graphs, no padding otherwise.
+        decoder: ``"auto"`` (on the CPU, hierspec's own forward for Llama-family models,
+            :mod:`hierspec.runtime.decoder`, with packed or PyTorch products by ``kind``) or ``"transformers"``
+            (transformers' modules always).
     """
 
     kind: str = "auto"
     buckets: tuple[int, ...] | None = None
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_KINDS:
@@ -67,6 +72,8 @@ class RuntimeConfig:
         if self.buckets is not None and (any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(
                 set(self.buckets))):
             raise InputError("runtime buckets must be increasing positive row counts")
+        if self.decoder not in ("auto", "transformers"):
+            raise InputError(f"unknown decoder {self.decoder!r}: use auto or transformers")
 
 
 class Runtime:
@@ -80,12 +87,20 @@ class Runtime:
         self._stock_attention = model.config._attn_implementation
         self.fused_groups: list = []
         use_graphs = self.config.kind == "graphs" or (self.config.kind == "auto" and self.device.type == "cuda")
-        self.packing = None if use_graphs else self._pack_linears()
+        self.decoder: LlamaFamilyDecoder | None = None
+        self.packing = None
+        packable = not use_graphs and self._packing_reason() is None
+        if not use_graphs and self.config.decoder == "auto":
+            self.decoder = build_decoder(model, packed=packable)
+        if packable and self.decoder is None:
+            self.packing = LinearPacking(model)
+            self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))
         model.set_attn_implementation(attention.register())
-        self.kind = "graphs" if use_graphs else "packed" if self.packing is not None else "eager"
+        packed = packable and (self.packing is not None or self.decoder is not None)
+        self.kind = "graphs" if use_graphs else "packed" if packed else "eager"
         default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
         self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
-        self.align = PACKED_KV_ALIGN if self.packing is not None else 1
+        self.align = PACKED_KV_ALIGN if self.kind == "packed" else 1
         text_config = model.config.get_text_config(decoder=True)
         self.num_layers = int(text_config.num_hidden_layers)
         heads = int(getattr(text_config, "num_attention_heads", 1))
@@ -95,24 +110,22 @@ class Runtime:
         self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
         self._static_cache: StaticTreeCache | None = None
 
-    def _pack_linears(self) -> LinearPacking | None:
+    def _packing_reason(self) -> str | None:
+        """Why linears run unpacked (``--runtime eager``, not the CPU, a dtype oneDNN does not pack), or ``None``."""
         if self.config.kind == "eager":
-            return None
+            return "the eager runtime was asked for"
         reason = "the model is not on the CPU" if self.device.type != "cpu" else probe(self.dtype)
         if reason is not None:
             if self.config.kind == "packed":
                 raise InputError(f"the packed runtime is unavailable: {reason}")
             log.info("eager linear layers: %s", reason)
-            return None
-        packing = LinearPacking(self.model)
-        self.fused_groups = fuse_shared_inputs(self.model, torch.arange(4).unsqueeze(0))
-        return packing
+        return reason
 
     def describe(self) -> dict:
         """What runs, for benchmark records."""
         return {"kind": self.kind, "buckets": list(self.buckets),
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
-                "fused_groups": len(self.fused_groups),
+                "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:
@@ -146,6 +159,8 @@ class Runtime:
         if isinstance(cache, StaticTreeCache):
             return self.graphed.prefill(cache, ids, want_hidden)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        if self.decoder is not None:
+            return self._owned_prefill(cache, input_ids, want_hidden)
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                          output_hidden_states=want_hidden)
         return out.hidden_states[-1][0, -1] if want_hidden else None
@@ -164,12 +179,26 @@ class Runtime:
             return self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
         past = cache.get_seq_length()
         ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
+        if self.decoder is not None:
+            with cache.aligned(self.align):
+                return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden)
         with cache.aligned(self.align):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
                              use_cache=True, output_hidden_states=want_hidden,
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
         return out.logits[0], hidden
+
+    def _owned_prefill(self, cache: TreeCache, input_ids: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
+        """Causal forward of the prompt through the owned decoder (only its last row's outputs are computed); keys
+        unaligned, as transformers' own prefill attends them."""
+        past, count = cache.get_seq_length(), input_ids.shape[-1]
+        positions = torch.arange(past, past + count, device=self.device)
+        mask = torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
+        with cache.aligned(1):
+            _, hidden = self.decoder.forward(input_ids, positions[None], mask[None, None], cache,
+                                             slice(count - 1, count), want_hidden)
+        return hidden[-1] if want_hidden else None
 
     @contextlib.contextmanager
     def stock(self) -> Iterator[None]:

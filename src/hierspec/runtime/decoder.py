@@ -1,0 +1,208 @@
+"""An owned decoder forward for the Llama family (Llama, SmolLM2, Qwen2 with its q/k/v biases, Mistral).
+
+transformers' modules spend, on a 2-core CPU, about as long in Python and small tensor operations as in the weight
+products themselves (SmolLM2-135M, float32, one token: ~48 ms of products inside a ~90 ms forward; BENCHMARKS.md,
+"Owned decoder forward"). :class:`LlamaFamilyDecoder` runs the same computation from the loaded weights with far
+fewer operations: rows as a flat ``[rows, hidden]`` matrix, queries/keys/values and gate/up each one product (one
+oneDNN call with prepacked weights where the runtime packs), rotary factors read from a table that transformers'
+own rotary module filled, the cache written through its layer objects, attention by
+:func:`~hierspec.runtime.attention.tree_attention`. Every operation repeats transformers' order of arithmetic
+(normalisation, rotation, residual sums), so the logits equal transformers' forward — exactly in float64
+(``tests/test_decoder.py``).
+
+:func:`build_decoder` returns ``None`` for anything else (other architectures, rotary scalings that depend on the
+sequence length, non-SiLU activations); the runtime then runs transformers' modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hierspec.runtime.attention import tree_attention
+from hierspec.runtime.onednn import pack_weight, packed_linear
+
+log = logging.getLogger(__name__)
+
+#: transformers model types whose decoder layers this module reproduces
+SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
+#: rotary types whose factors depend on the position alone (others rescale with the sequence length)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+#: positions the rotary table starts with; it doubles on demand up to the model's context
+TABLE_START = 4096
+
+
+class Projection:
+    """Several linears applied to one input: one product of their stacked weights, or each on its own.
+
+    ``packed``: one oneDNN product with a prepacked copy of the stacked weight (a second copy of these weights, as
+    the packed runtime keeps anyway); else ``F.linear`` on each module's own weight (no copy).
+    """
+
+    def __init__(self, linears: Sequence[nn.Module], packed: bool) -> None:
+        weights = [m.weight.detach() for m in linears]
+        biases = [None if m.bias is None else m.bias.detach() for m in linears]
+        self.widths = [w.shape[0] for w in weights]
+        self.packed = packed
+        if packed:
+            self.weight = pack_weight(torch.cat(weights))
+            self.bias = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        else:
+            self.weights, self.biases = weights, biases
+
+    def __call__(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        if self.packed:
+            return list(packed_linear(rows, self.weight, self.bias).split(self.widths, dim=-1))
+        return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
+
+
+@dataclass
+class _Layer:
+    norm1: torch.Tensor
+    norm2: torch.Tensor
+    qkv: Projection
+    out: Projection
+    gate_up: Projection
+    down: Projection
+
+
+class LlamaFamilyDecoder:
+    """The forward of a Llama-family causal LM over one sequence's rows, on the runtime's KV cache.
+
+    Attributes:
+        eps: the RMS norms' epsilon; ``heads``, ``kv_heads``, ``head_dim``: attention shape; ``scaling``: the
+            attention's score scale, as transformers' module holds it.
+    """
+
+    def __init__(self, model: nn.Module, packed: bool) -> None:
+        inner = model.model
+        config = model.config
+        attention = inner.layers[0].self_attn
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(attention.head_dim)
+        self.scaling = float(attention.scaling)
+        self.eps = float(inner.norm.variance_epsilon)
+        self.embedding = inner.embed_tokens.weight.detach()
+        self.final_norm = inner.norm.weight.detach()
+        self.lm_head = Projection([model.get_output_embeddings()], packed)
+        self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
+                              norm2=layer.post_attention_layernorm.weight.detach(),
+                              qkv=Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                                             packed),
+                              out=Projection([layer.self_attn.o_proj], packed),
+                              gate_up=Projection([layer.mlp.gate_proj, layer.mlp.up_proj], packed),
+                              down=Projection([layer.mlp.down_proj], packed))
+                       for layer in inner.layers[: config.num_hidden_layers]]
+        self._rotary = inner.rotary_emb
+        self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+        self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+                keep: slice, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``[kept, vocab]`` of the rows ``keep`` selects (and their last hidden states, after the final
+        norm): a tree's real nodes, or a prompt's last row.
+
+        ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
+        width]``; every layer's keys and values go into ``cache`` through its layer's ``update``.
+        """
+        rows = ids.shape[-1]
+        cos, sin = self._rotation(positions.reshape(-1))
+        hidden = F.embedding(ids.reshape(-1), self.embedding)
+        for index, layer in enumerate(self.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, mask, cache, rows)
+        last = _rms_norm(hidden[keep], self.final_norm, self.eps)
+        (logits,) = self.lm_head(last)
+        return logits, (last if want_hidden else None)
+
+    def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               mask: torch.Tensor, cache, rows: int) -> torch.Tensor:
+        query, key, value = layer.qkv(_rms_norm(hidden, layer.norm1, self.eps))
+        query = _rotate(query.view(1, rows, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+        key = _rotate(key.view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+        value = value.view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2)
+        keys, values = cache.layers[index].update(key, value)
+        attended, _ = tree_attention(None, query, keys, values, mask, scaling=self.scaling)
+        (out,) = layer.out(attended.reshape(rows, self.heads * self.head_dim))
+        hidden = hidden + out
+        gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, self.eps))
+        (down,) = layer.down(F.silu(gate) * up)
+        return hidden + down
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``/``sin`` rows ``[1, 1, rows, head_dim]`` of the positions, from the table (grown on demand)."""
+        needed = int(positions.max()) + 1
+        if needed > self._cos.shape[0]:
+            self._fill_table(needed)
+        return self._cos[positions][None, None], self._sin[positions][None, None]
+
+    @torch.inference_mode()
+    def _fill_table(self, needed: int) -> None:
+        """transformers' own rotary module evaluated at every position once: each factor depends on its position
+        alone (a single product and a cos/sin), so the table holds exactly what a forward would compute."""
+        size = max(TABLE_START, self._cos.shape[0])
+        while size < needed:
+            size *= 2
+        size = max(needed, min(size, self._max_positions))
+        probe = self.embedding[:1][None]
+        cos, sin = self._rotary(probe, torch.arange(size, device=probe.device)[None])
+        self._cos, self._sin = cos[0], sin[0]
+
+
+def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation (in float32 for lower precisions)."""
+    dtype = hidden.dtype
+    wide = hidden.to(torch.float32)
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(dtype)
+
+
+def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor: ``x * cos + rotate_half(x) * sin``."""
+    half = states.shape[-1] // 2
+    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
+    return (states * cos) + (rotated * sin)
+
+
+def build_decoder(model: nn.Module, packed: bool) -> LlamaFamilyDecoder | None:
+    """The owned forward for ``model``, or ``None`` (with the reason logged) where transformers' modules must run."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        log.info("transformers' decoder modules run: %s", reason)
+        return None
+    return LlamaFamilyDecoder(model, packed)
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`LlamaFamilyDecoder` cannot run ``model``, or ``None`` when it can."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_TYPES:
+        return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
+        return "the model does not have the Llama family's module layout"
+    rope_type = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rotary type {rope_type!r} depends on the sequence length"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return "sliding-window attention"
+    attention, mlp = layers[0].self_attn, layers[0].mlp
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"):
+        if not hasattr(attention, name):
+            return f"the attention module has no {name}"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not hasattr(mlp, name):
+            return f"the MLP module has no {name}"
+    if getattr(inner, "embed_scale", None) is not None:
+        return "a scaled embedding"
+    return None

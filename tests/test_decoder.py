@@ -1,0 +1,118 @@
+"""hierspec's own Llama-family decoder forward (:mod:`hierspec.runtime.decoder`) against transformers' modules."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from hierspec.config import GenerationConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter
+from hierspec.methods import make_drafter
+from hierspec.runtime import RuntimeConfig, onednn
+from hierspec.runtime.decoder import unsupported_reason
+from hierspec.target import TargetModel
+from hierspec.tree import build_tree
+from tiny import make_model, make_tokenizer
+
+VOCAB = 64
+
+
+def _mistral(dtype=torch.float64):
+    torch.manual_seed(4)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                           initializer_range=0.5, sliding_window=None, eos_token_id=0, pad_token_id=0)
+    return MistralForCausalLM(config).to(dtype).eval()
+
+
+def _pair(model, runtime: str = "auto") -> tuple[TargetModel, TargetModel]:
+    """The same weights behind the owned decoder and behind transformers' modules."""
+    owned = TargetModel(model, make_tokenizer(VOCAB), "owned", RuntimeConfig(kind=runtime))
+    stock = TargetModel(copy.deepcopy(model), make_tokenizer(VOCAB), "stock",
+                        RuntimeConfig(kind=runtime, decoder="transformers"))
+    assert owned.runtime.decoder is not None and stock.runtime.decoder is None
+    return owned, stock
+
+
+TREES = ([], [[5, 6, 7], [5, 9], [11]], [[3, 4, 5, 6, 7, 8, 9, 10, 11, 12]], [[1], [2], [3], [4], [5, 6]])
+
+
+def _forwards(target: TargetModel, prompt: list[int], want_hidden: bool = False) -> list:
+    cache = target.new_cache()
+    hidden = target.prefill(cache, prompt[:-1], want_hidden=want_hidden)
+    outputs = [hidden]
+    for drafts in TREES:
+        past = cache.get_seq_length()
+        out = target.forward_tree(cache, build_tree(prompt[-1], drafts), want_hidden=want_hidden)
+        outputs += [out.logits, out.hidden]
+        target.keep_path(cache, past, [0])
+        cache.crop(-1)
+        prompt = prompt + [int(out.logits[0].argmax())]
+        cache_past = cache.get_seq_length()
+        target.forward_tree(cache, build_tree(prompt[-2], []))  # commit one more token
+        target.keep_path(cache, cache_past, [0])
+    return outputs
+
+
+@pytest.mark.parametrize("make", [lambda: make_model("llama", VOCAB, seed=2, layers=3),
+                                  lambda: make_model("qwen2", VOCAB, seed=3, layers=3), _mistral],
+                         ids=["llama", "qwen2", "mistral"])
+def test_owned_forward_equals_transformers_exactly_in_float64(make):
+    owned, stock = _pair(make())
+    prompt = np.random.default_rng(0).integers(1, VOCAB, size=23).tolist()
+    for got, expected in zip(_forwards(owned, prompt, want_hidden=True), _forwards(stock, prompt, want_hidden=True)):
+        assert got is not None and torch.equal(got, expected)
+
+
+@pytest.mark.skipif(onednn.probe(torch.float32) is not None, reason="no oneDNN packing here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_owned_forward_with_packed_products_matches_transformers_in_float32(arch):
+    owned, stock = _pair(make_model(arch, VOCAB, seed=5, layers=3, dtype=torch.float32))
+    assert owned.runtime.kind == "packed" and owned.runtime.packing is None  # the decoder packs its own products
+    prompt = np.random.default_rng(1).integers(1, VOCAB, size=40).tolist()
+    for got, expected in zip(_forwards(owned, prompt)[1::2], _forwards(stock, prompt)[1::2]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_every_method_on_the_owned_forward_equals_plain_decoding():
+    owned, _ = _pair(make_model("qwen2", VOCAB, seed=7, layers=3))
+    config = GenerationConfig(max_new_tokens=40)
+    plain = SpeculativeDecoder(owned, NoDrafter())
+    rng = np.random.default_rng(2)
+    accepted = 0
+    for _ in range(3):
+        motif = rng.integers(1, VOCAB, size=5).tolist()
+        prompt = motif * 3 + motif[:2]
+        reference = plain.generate(prompt, config).token_ids
+        for method in ("pld", "hd", "sd:draft=self:2,k=4"):
+            result = SpeculativeDecoder(owned, make_drafter(method, owned)).generate(prompt, config)
+            assert result.token_ids == reference, method
+            accepted += result.stats.accepted_drafts
+    assert accepted > 0
+
+
+def test_models_outside_the_family_run_transformers_modules():
+    model = make_model("llama", VOCAB, seed=1)
+    assert unsupported_reason(model) is None
+    model.config.hidden_act = "gelu"
+    assert "activation" in unsupported_reason(model)
+    target = TargetModel(model, make_tokenizer(VOCAB), "gelu")
+    assert target.runtime.decoder is None and target.runtime.describe()["decoder"] == "transformers"
+    assert len(SpeculativeDecoder(target, NoDrafter()).generate([3, 4, 5], GenerationConfig(
+        max_new_tokens=5)).token_ids) == 5
+    windowed = _mistral()
+    windowed.config.sliding_window = 16
+    assert "sliding" in unsupported_reason(windowed)
+
+
+def test_rotary_table_grows_with_the_positions_asked_for():
+    owned, stock = _pair(make_model("llama", VOCAB, seed=9, max_positions=512))
+    prompt = np.random.default_rng(3).integers(1, VOCAB, size=480).tolist()
+    got, expected = _forwards(owned, prompt), _forwards(stock, prompt)
+    assert owned.runtime.decoder._cos.shape[0] == 512
+    for a, b in zip(got[1::2], expected[1::2]):
+        assert torch.equal(a, b)
