@@ -95,3 +95,36 @@ def test_budget_auto_keeps_greedy_output_identical(tmp_path):
         make_drafter("pld:budget=7", DrafterContext(target, cost_curve=str(path)))
     with pytest.raises(InputError, match="hierspec calibrate"):
         make_drafter("pld:budget=auto", DrafterContext(target, cost_curve=str(tmp_path / "none.json")))
+
+
+def test_a_missing_curve_is_measured_once_and_saved(tmp_path, monkeypatch):
+    from hierspec import calibration
+
+    target = make_target("llama", vocab_size=64, seed=3, max_positions=256)
+    path = calibration.default_curve_path(target)
+    assert not path.exists()
+    cost = calibration.verification_cost(target)
+    assert path.is_file()
+    curve = load_curve(path)
+    assert curve.sizes == calibration.AUTO_SIZES and all(ms > 0 for ms in curve.ms)
+    assert curve.identity["hardware"] and curve.identity["runtime"] == target.runtime.kind
+    assert cost(64) >= cost(1) > 0
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the saved curve should have been read")
+
+    monkeypatch.setattr(calibration, "measure_cost_curve", refuse)
+    calibration.verification_cost(target)
+    assert calibration.verification_cost(make_target("llama", vocab_size=64, seed=3, max_positions=256),
+                                         measure=False)(4) > 0
+
+
+def test_cpu_flags_are_read_from_cpuinfo():
+    from hierspec.machine import cpu_info, parse_cpuinfo
+
+    text = "processor : 0\nmodel name : AMD EPYC 9R14\nflags : fpu sse avx2 fma avx512f avx512_bf16\n\n" \
+           "processor : 1\nmodel name : other\nflags : fpu\n"
+    assert parse_cpuinfo(text) == ("AMD EPYC 9R14", ("avx2", "fma", "avx512f", "avx512_bf16"))
+    assert parse_cpuinfo("") == ("", ())
+    info = cpu_info()
+    assert info.model and info.capability and info.describe().startswith(info.model)

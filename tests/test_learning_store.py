@@ -16,7 +16,7 @@ from hierspec.datastore.output import build_lock
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
-from hierspec.drafters.successors import SuccessorTable
+from hierspec.datastore.successors import SuccessorTable
 from hierspec.methods import DrafterContext, make_drafter
 from tiny import make_target
 

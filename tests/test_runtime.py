@@ -242,3 +242,17 @@ def test_packed_runtime_greedy_output_equals_plain_decoding(arch):
         result = SpeculativeDecoder(target, drafter).generate(prompt, config)
         assert result.token_ids == reference.token_ids
         assert result.stats.accepted_drafts > 0 or drafter.name == "pld"
+
+
+def test_bfloat16_on_a_cpu_without_native_support_is_called_out_once(monkeypatch, caplog):
+    import hierspec.runtime as runtime_module
+
+    monkeypatch.setattr(onednn, "native_bfloat16", lambda: False)
+    runtime_module._warn_emulated_bfloat16.cache_clear()
+    with caplog.at_level("WARNING", logger="hierspec.runtime"):
+        TargetModel(make_model("llama", dtype=torch.bfloat16), make_tokenizer(64))
+        TargetModel(make_model("llama", dtype=torch.bfloat16), make_tokenizer(64))
+        TargetModel(make_model("llama", dtype=torch.float32), make_tokenizer(64))
+    warnings = [r.message for r in caplog.records if "no native bfloat16" in r.message]
+    assert len(warnings) == 1 and "--dtype float32" in warnings[0]
+    runtime_module._warn_emulated_bfloat16.cache_clear()

@@ -115,7 +115,7 @@ class _FixedDatabase:
 def test_hierarchy_drafting_sampling_matches_exact_distribution(target):
     """Scored trees over the context database, a model database and the successor table."""
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
-    from hierspec.drafters.successors import SuccessorTable
+    from hierspec.datastore.successors import SuccessorTable
 
     sampling = SETTINGS["temperature-0.7-top-p-0.9"]
     joint = exact_joint(exact_table(target, sampling))

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from hierspec.drafters.scored import linear_cost
 from hierspec.errors import InputError
 from hierspec.loading import user_cache_dir
+from hierspec.machine import cpu_info
 from hierspec.runtime.inputs import bucket_for
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
@@ -65,16 +66,25 @@ class CostCurve:
 
 
 def machine_identity(target: TargetModel) -> dict:
-    """What a cost curve depends on: the model, device, dtype and CPU threads."""
-    return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": str(target.device),
-            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads()}
+    """What a cost curve depends on: the model, device (and which CPU), dtype, CPU threads and runtime."""
+    device = str(target.device)
+    if target.device.type == "cpu":
+        hardware = cpu_info().describe()
+    else:
+        hardware = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else device
+    return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": device,
+            "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "hardware": hardware, "runtime": target.runtime.kind,
+            "decoder": "hierspec" if target.runtime.decoder is not None else "transformers"}
 
 
 def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
     """Where the cost curve of this model on this machine setting lives."""
     ident = machine_identity(target)
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
-    name = f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}.json"
+    setting = hashlib.sha256(f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}".encode()).hexdigest()[:8]
+    name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
+            f"-{setting}.json")
     return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name
 
 
@@ -111,21 +121,50 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     return CostCurve(sizes, tuple(statistics.median(t) for t in times), machine_identity(target))
 
 
-def verification_cost(target: TargetModel) -> Callable[[int], float]:
-    """The cost of verifying a tree of ``rows`` nodes on this target, read at the runtime's padded bucket size: the
-    curve ``hierspec calibrate`` saved for its model, device, dtype and threads (made non-decreasing: a larger tree
-    never costs less, whatever the timing noise), else one step plus 2 % per padded row."""
+def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[int], float]:
+    """The cost of verifying a tree of ``rows`` nodes on this target, read at the runtime's padded bucket size (made
+    non-decreasing: a larger tree never costs less, whatever the timing noise).
+
+    The curve is the one ``hierspec calibrate`` saved for this model, device, CPU, dtype, threads and runtime. When
+    there is none and ``measure`` is on, a short curve is measured now (seconds; a progress bar) and saved there, so
+    a user who never runs ``hierspec calibrate`` still gets trees sized for this machine. Without a curve: one step
+    plus 2 % per padded row.
+    """
     buckets = tuple(target.runtime.buckets)
     path = default_curve_path(target)
+    curve = None
     if path.is_file():
         try:
             curve = load_curve(path)
         except (InputError, KeyError, TypeError, ValueError):
             log.warning("ignoring the unreadable cost curve %s; run `hierspec calibrate` again", path)
-        else:
-            sizes, ms = np.asarray(curve.sizes), np.maximum.accumulate(np.asarray(curve.ms))
-            return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, ms))
-    return lambda rows: linear_cost(bucket_for(rows, buckets))
+    elif measure:
+        curve = measure_default_curve(target, path)
+    if curve is None:
+        return lambda rows: linear_cost(bucket_for(rows, buckets))
+    sizes, ms = np.asarray(curve.sizes), np.maximum.accumulate(np.asarray(curve.ms))
+    return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, ms))
+
+
+#: tree sizes and repeats of the curve measured when none was saved (a few seconds for a 135M model on 2 cores)
+AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
+AUTO_REPEATS = 2
+
+
+def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
+    """Measure a short cost curve for ``target`` and save it at ``path``; ``None`` when the model's context is too
+    short for it or the file cannot be written (the curve is then used for this process only)."""
+    sizes = tuple(k for k in AUTO_SIZES if 64 + k < target.max_context)
+    if not sizes:
+        return None
+    log.warning("no cost curve for %s on this machine yet: measuring one (once; `hierspec calibrate` measures a "
+                "finer one)", target.name)
+    curve = measure_cost_curve(target, sizes, context=64, repeats=AUTO_REPEATS)
+    try:
+        save_curve(curve, path)
+    except OSError as exc:
+        log.warning("could not save the cost curve to %s (%s); it is used for this run only", path, exc)
+    return curve
 
 
 def save_curve(curve: CostCurve, path: Path) -> None:

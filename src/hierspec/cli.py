@@ -275,6 +275,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     curve = measure_cost_curve(model, sizes, args.context, args.repeats)
     path = default_curve_path(model, args.out)
     save_curve(curve, path)
+    ident = curve.identity
+    print(f"{ident['model']} on {ident['hardware']}, {ident['dtype']}, {ident['threads']} threads, runtime "
+          f"{ident['runtime']} with {ident['decoder']}'s decoder")
     print("| tree tokens | ms | ms per token |\n|---:|---:|---:|")
     for size, ms in zip(curve.sizes, curve.ms):
         print(f"| {size} | {ms:.1f} | {ms / size:.2f} |")

@@ -156,7 +156,7 @@ def _make_hd(spec: MethodSpec, context: DrafterContext) -> Drafter:
     from hierspec.datastore.suffix import SuffixStore
     from hierspec.drafters.dense import DenseConfig, DenseRetriever
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
-    from hierspec.drafters.successors import SuccessorTable
+    from hierspec.datastore.successors import SuccessorTable
 
     config = _config_from_options(HierarchyConfig, spec.options, spec.name)
     fingerprint, name = context.fingerprint()

@@ -55,7 +55,10 @@ def write_report(path: Path, summary: dict) -> None:
         f"# hierspec bench — {summary['model']}",
         "",
         f"{summary.get('date', '')}, {summary.get('processor', '')} ({summary.get('cpu_count')} CPUs, "
-        f"{summary.get('torch_threads')} torch threads), {summary.get('device')}, {summary.get('dtype')}, "
+        f"{summary.get('torch_threads')} torch threads), {summary.get('device')}"
+        f"{' (' + summary['gpu'] + ')' if summary.get('gpu') else ''}, {summary.get('dtype')}, "
+        f"runtime {(summary.get('runtime') or {}).get('kind', '?')} with "
+        f"{(summary.get('runtime') or {}).get('decoder', 'transformers')}'s decoder, "
         f"torch {summary.get('torch')}, transformers {summary.get('transformers')}; "
         f"{summary.get('num_questions')} questions from `{summary.get('questions_file')}`, "
         f"{summary['max_new_tokens']} new tokens, {_decoding(summary)}. Speedup = tokens/s over "

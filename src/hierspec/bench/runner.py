@@ -23,6 +23,7 @@ from hierspec.bench.report import write_answers, write_report
 from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
+from hierspec.machine import cpu_info
 from hierspec.methods import DrafterContext, MethodSpec, make_drafter
 from hierspec.target import TargetModel, load_model
 
@@ -174,7 +175,9 @@ def environment(model: TargetModel) -> dict:
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": cpu_info().describe(),
+        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        "runtime": model.runtime.describe(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

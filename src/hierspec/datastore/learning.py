@@ -3,7 +3,7 @@ successors, and the store is rewritten in versions that readers never see half-w
 
 The directory is an ordinary model store (kind ``model``, :class:`~hierspec.datastore.ngram.NgramTable` reads it)
 whose array files carry a version number — ``ngrams-000007.tokens``, ``ngrams-000007.counts``,
-``successors-000007.i32`` (the :class:`~hierspec.drafters.successors.SuccessorTable`) — and whose header names the
+``successors-000007.i32`` (the :class:`~hierspec.datastore.successors.SuccessorTable`) — and whose header names the
 current version. A flush merges the pending generations' grams into the counts (each gram counted once per
 generation, as the builder counts them), keeps the ``max_grams`` most frequent (count-based eviction), writes the
 next version's files under temporary names, renames them, and then replaces the header atomically. Files of the
@@ -33,7 +33,7 @@ from hierspec.datastore.format import (
 )
 from hierspec.datastore.ngram import KIND, NgramTable, count_ngrams, top_ngrams
 from hierspec.datastore.output import build_lock
-from hierspec.drafters.successors import SuccessorTable
+from hierspec.datastore.successors import SuccessorTable
 
 log = logging.getLogger(__name__)
 

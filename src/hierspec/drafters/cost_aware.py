@@ -11,14 +11,25 @@ Cutting a tree never changes the output: any tree is verified losslessly.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import torch
 
 from hierspec.accept import Verdict
-from hierspec.calibration import CostCurve
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
 from hierspec.tree import DraftTree
+
+
+class CostModel(Protocol):
+    """What cost-aware drafting reads of a measured cost curve (:class:`hierspec.calibration.CostCurve` is one):
+    milliseconds of a verification forward of ``tokens`` tree tokens, and what the curve was measured on."""
+
+    identity: dict
+
+    def cost(self, tokens: int) -> float: ...
+
 
 _PRIOR_HITS, _PRIOR_TRIALS = 1.0, 2.0
 
@@ -26,7 +37,7 @@ _PRIOR_HITS, _PRIOR_TRIALS = 1.0, 2.0
 class CostAwareDrafter(Drafter):
     """Wraps a drafter; trims its trees by depth with the cost curve and the observed acceptance per depth."""
 
-    def __init__(self, inner: Drafter, curve: CostCurve, explore_every: int = 8) -> None:
+    def __init__(self, inner: Drafter, curve: CostModel, explore_every: int = 8) -> None:
         self.inner = inner
         self.curve = curve
         self.explore_every = explore_every

@@ -9,7 +9,7 @@
 * ``d`` — optional fourth source, dense retrieval (:class:`~hierspec.drafters.dense.DenseRetriever`, DReSD): next
   tokens of the nearest neighbours of the target's hidden state. Not in the default order; add it, e.g.
   ``order=cdms``.
-* ``t`` — the successor table (:class:`~hierspec.drafters.successors.SuccessorTable`, Token Recycling's idea): the
+* ``t`` — the successor table (:class:`~hierspec.datastore.successors.SuccessorTable`, Token Recycling's idea): the
   target's top-k after every token, recycled from every verification forward and kept across generations.
 
 Each step reads the databases in ``order``. With ``tree=scored`` (the default) every database offers up to
@@ -35,7 +35,7 @@ from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseRetriever
 from hierspec.datastore.learning import LearningStore
 from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
-from hierspec.drafters.successors import SuccessorTable
+from hierspec.datastore.successors import SuccessorTable
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 

@@ -18,6 +18,7 @@ Drafters and the decoding loop know none of this. BENCHMARKS.md ("Runtime") give
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hierspec.errors import InputError
-from hierspec.runtime import attention
+from hierspec.runtime import attention, onednn
 from hierspec.runtime.decoder import LlamaFamilyDecoder, build_decoder
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
@@ -87,6 +88,8 @@ class Runtime:
         self._stock_attention = model.config._attn_implementation
         self.fused_groups: list = []
         use_graphs = self.config.kind == "graphs" or (self.config.kind == "auto" and self.device.type == "cuda")
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not onednn.native_bfloat16():
+            _warn_emulated_bfloat16()
         self.decoder: LlamaFamilyDecoder | None = None
         self.packing = None
         packable = not use_graphs and self._packing_reason() is None
@@ -212,3 +215,11 @@ class Runtime:
             self.model.set_attn_implementation(attention.NAME)
             if self.packing is not None:
                 self.packing.packed()
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_emulated_bfloat16() -> None:
+    """Say once per process that bfloat16 is emulated on this CPU, and what to use instead."""
+    log.warning("this CPU has no native bfloat16 (no AVX512_BF16 or AMX): bfloat16 products are emulated, a forward "
+                "costs about as much per tree token as a whole step, and drafting cannot pay; load the model with "
+                "--dtype float32 (the CPU default) instead")

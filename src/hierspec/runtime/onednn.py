@@ -30,6 +30,14 @@ log = logging.getLogger(__name__)
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def native_bfloat16() -> bool:
+    """Whether oneDNN computes bfloat16 natively on this CPU (AVX512_BF16 or AMX); elsewhere it is emulated."""
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def probe(dtype: torch.dtype) -> str | None:
     """``None`` when prepacked linears work for ``dtype`` on this CPU, else the reason they do not."""
@@ -37,7 +45,7 @@ def probe(dtype: torch.dtype) -> str | None:
         return f"oneDNN prepacking is not used for {dtype}"
     if not torch.backends.mkldnn.is_available():
         return "this PyTorch build has no oneDNN (mkldnn)"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not native_bfloat16():
         return "this CPU has no native bfloat16 support for oneDNN"
     try:
         generator = torch.Generator().manual_seed(0)
