@@ -23,6 +23,7 @@ from hierspec.bench.report import write_answers, write_report
 from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
+from hierspec.bench.peers import LLAMACPP_METHODS, LlamaCppRunner, gguf_file
 from hierspec.machine import cpu_info
 from hierspec.methods import DrafterContext, MethodSpec, make_drafter
 from hierspec.target import TargetModel, load_model
@@ -163,6 +164,8 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
     for text in specs:
         if text in HF_METHODS:
             runners.append(_hf_runner(text, model, config, context))
+        elif text in LLAMACPP_METHODS:
+            runners.append(LlamaCppRunner(model, gguf_file(context.model_config), config, torch.get_num_threads()))
         else:
             runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context))
     return runners
@@ -295,7 +298,7 @@ def _explain_divergences(model: TargetModel, questions: list[Question], records:
     baseline = records[BASELINE]
     found = []
     for label, record in records.items():
-        if label == BASELINE:
+        if label == BASELINE or label in LLAMACPP_METHODS:  # other numerics: differences are expected, not explained
             continue
         for i, question in enumerate(questions):
             for turn, (ref, other) in enumerate(zip(baseline.runs[i].turns, record.runs[i].turns)):

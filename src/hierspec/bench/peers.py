@@ -1,0 +1,70 @@
+"""llama.cpp as a benchmark peer: ``llamacpp-ar`` decodes the same GGUF file with llama.cpp (through its Python
+binding, ``pip install 'hierspec[peers]'``, which compiles llama.cpp where no wheel exists) in the same run,
+interleaved per question like every other method.
+
+The prompt is the very token ids hierspec feeds its own methods (the GGUF's vocabulary is the same), prefill
+included in the time, llama.cpp's prefix cache emptied before every answer. Its numerics differ (its own kernels and,
+for a quantized file, its quantized weights), so its outputs are reported and counted, not expected to equal ``ar``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+from hierspec.bench.metrics import QuestionRun
+from hierspec.config import GenerationConfig, ModelConfig
+from hierspec.errors import InputError
+from hierspec.loading import default_model_path
+from hierspec.target import TargetModel
+
+LLAMACPP_METHODS = ("llamacpp-ar",)
+
+
+def gguf_file(model_config: ModelConfig | None) -> Path:
+    """The GGUF file the benchmark's model came from: the default model's, or ``--model FILE.gguf``."""
+    spec = model_config.spec if model_config is not None else None
+    if spec is None:
+        return default_model_path()
+    if spec.lower().endswith(".gguf"):
+        return Path(spec).expanduser()
+    raise InputError("llamacpp-ar runs a GGUF file: pass --model FILE.gguf (or use the default model)")
+
+
+class LlamaCppRunner:
+    """Plain decoding by llama.cpp of the GGUF file the target was loaded from."""
+
+    def __init__(self, model: TargetModel, path: Path, config: GenerationConfig, threads: int,
+                 context: int = 4096) -> None:
+        try:
+            llama_cpp = importlib.import_module("llama_cpp")
+        except ImportError:
+            raise InputError("llamacpp-ar needs llama.cpp's Python binding: pip install 'hierspec[peers]' "
+                             "(it compiles llama.cpp; a few minutes)") from None
+        self.label = "llamacpp-ar"
+        self.model = model
+        self.config = config
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                   n_batch=512, verbose=False)
+        self.eos = model.eos_token_ids
+
+    def describe(self) -> dict:
+        return {"peer": "llama.cpp", "model_path": self.llm.model_path}
+
+    def run(self, prompt_ids: list[int], seed: int | None = None) -> QuestionRun:
+        sampling = self.config.sampling
+        options = {"temp": 0.0, "top_k": 1} if sampling.greedy else {
+            "temp": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k, "min_p": 0.0}
+        if not sampling.greedy:
+            self.llm.set_seed(seed if seed is not None else (sampling.seed or 0))
+        self.llm.reset()  # no prefix reuse from the previous answer
+        tokens: list[int] = []
+        start = time.perf_counter()
+        for token in self.llm.generate(prompt_ids, repeat_penalty=1.0, reset=True, **options):
+            tokens.append(int(token))
+            if token in self.eos or len(tokens) >= self.config.max_new_tokens:
+                break
+        wall = time.perf_counter() - start
+        return QuestionRun(token_ids=tokens, text=self.model.decode(tokens), wall_time=wall,
+                           accept_lengths=[1] * len(tokens))
