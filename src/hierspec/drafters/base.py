@@ -10,6 +10,7 @@ import torch
 
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
+from hierspec.drafters.registry import register
 from hierspec.tree import DraftTree, root_only
 
 
@@ -67,3 +68,9 @@ class NoDrafter(Drafter):
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         return root_only(int(context[-1]))
+
+
+@register("ar", summary="plain decoding: no draft, one token per forward")
+def build_plain(options, written: dict[str, str], context) -> Drafter:
+    """``ar``: the empty draft."""
+    return NoDrafter()

@@ -17,6 +17,7 @@ import torch
 from hierspec.config import SamplingConfig
 from hierspec.datastore.dense import PAD, DenseStore, set_search_effort
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.registry import register
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
@@ -148,3 +149,9 @@ class DenseDrafter(Drafter):
 
     def report(self) -> dict:
         return self.retriever.report()
+
+
+@register("dense", DenseConfig, summary="DReSD: dense retrieval by the target's hidden state (--datastore)")
+def build_dense(options: DenseConfig, written: dict[str, str], context) -> DenseDrafter:
+    """``dense`` over the given dense store, which must belong to this very model."""
+    return DenseDrafter(DenseStore.open(context.datastore("dense", "dense"), context.target), options)

@@ -23,6 +23,7 @@ from hierspec.accept import Verdict, sample_token, warp_probs
 from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.registry import register
 from hierspec.tree import DraftTree, chain, root_only
 
 DRAFT_SOURCE = "draft"
@@ -152,3 +153,30 @@ class DraftModelDrafter(Drafter):
 
     def describe(self) -> dict:
         return {**super().describe(), "draft_model": self.lm.model.name}
+
+
+@dataclass(frozen=True)
+class SdOptions:
+    """``sd`` options: the draft model (``self:K`` or a model) and :class:`DraftModelConfig`'s fields.
+
+    The default draft, 90 % of the target's layers, was the fastest self-drafting depth measured on SmolLM2
+    (BENCHMARKS.md); shallower self-drafts are cheaper but almost never accepted.
+    """
+
+    draft: str = "self:0.9"
+    k: int = 4
+    self_verify: bool = False
+    tau: float = 1.0
+
+
+def given_model(written: dict[str, str], key: str, from_cli: str | None, default: str) -> str:
+    """A model option: the method's own ``key=`` first, then the command line's flag, then the default."""
+    return written.get(key) or from_cli or default
+
+
+@register("sd", SdOptions, summary="a draft model (--draft-model M or self:K) with speculative sampling")
+def build_draft_model(options: SdOptions, written: dict[str, str], context) -> DraftModelDrafter:
+    """``sd:draft=self:0.9,k=4,self_verify=false,tau=1.0``."""
+    draft = given_model(written, "draft", context.draft_model, options.draft)
+    config = DraftModelConfig(k=options.k, self_verify=options.self_verify or context.self_verify, tau=options.tau)
+    return DraftModelDrafter(context.load_draft_lm(draft, "sd"), config)

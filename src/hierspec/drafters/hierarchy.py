@@ -21,6 +21,7 @@ and merged as they are (the paper's access, with the ``lead`` rule). Each node i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,16 +29,19 @@ from typing import Protocol
 import numpy as np
 
 from hierspec.accept import Verdict
+from hierspec.datastore.learning import LearningStore
 from hierspec.datastore.ngram import NgramTable
+from hierspec.datastore.successors import SuccessorTable
 from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.context_db import ContextDB
-from hierspec.drafters.dense import DenseRetriever
-from hierspec.datastore.learning import LearningStore
+from hierspec.drafters.dense import DenseConfig, DenseRetriever
+from hierspec.drafters.registry import register
 from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
-from hierspec.datastore.successors import SuccessorTable
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors"}
 
@@ -402,3 +406,36 @@ class HierarchyDrafter(Drafter):
             chain.append(int(argmax[child]))
             child = tree.children(child).get(chain[-1])
         return tuple(chain)
+
+
+@register("hd", HierarchyConfig, summary="Hierarchy Drafting: context, model, statistics, successor (and dense) "
+                                         "databases; the default")
+def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) -> HierarchyDrafter:
+    """``hd``: the databases its ``order`` names — the context database always, the model, suffix and dense stores
+    given with ``--datastore`` or found at the default place, the successor table (kept in the learning store with
+    ``learn=true``) — scored against the target's cost curve."""
+    from hierspec.datastore.dense import DenseStore
+
+    fingerprint, name = context.fingerprint()
+    model_dir = context.optional_datastore("model") if "m" in options.order else None
+    suffix_dir = context.optional_datastore("suffix") if "s" in options.order else None
+    dense_dir = context.optional_datastore("dense") if "d" in options.order else None
+    model = statistics = dense = None
+    if model_dir:
+        model = ModelDatabase(NgramTable.open(model_dir, fingerprint, name, top_k=options.top_k), options.min_count,
+                              options.m_min_share)
+    if suffix_dir:
+        statistics = StatisticsDatabase(SuffixStore.open(suffix_dir, fingerprint, name), options.m,
+                                        n_min=options.s_n_min, k=options.s_k, min_share=options.s_min_share)
+    if dense_dir:
+        dense = DenseRetriever(DenseStore.open(dense_dir, context.target),
+                               DenseConfig(k=options.d_k, min_score=options.d_min_score))
+    learning = successors = None
+    if options.learn:
+        learning = context.learning_store(model_dir, options.top_k, options.t_k)
+    elif "t" in options.order:
+        successors = SuccessorTable(context.target.vocab_size, options.t_k)
+    drafter = HierarchyDrafter(options, model, statistics, dense, cost=context.verification_cost(),
+                               successors=successors, learning=learning)
+    log.info("hd reads %s", " > ".join(drafter.sources))
+    return drafter

@@ -35,7 +35,15 @@ from hierspec.accept import Verdict, verify, warp_probs
 from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
-from hierspec.drafters.draft_model import EntropyThreshold, entropy
+from hierspec.drafters.draft_model import (
+    DraftModelConfig,
+    DraftModelDrafter,
+    EntropyThreshold,
+    entropy,
+    given_model,
+)
+from hierspec.drafters.registry import build_drafter, register
+from hierspec.errors import InputError
 from hierspec.tree import DraftTree, chain, root_only
 
 MIDDLE_SOURCE = "middle"
@@ -155,3 +163,43 @@ class HSDDWDrafter(Drafter):
 
     def describe(self) -> dict:
         return {**super().describe(), "first": self.first.describe(), "middle_model": self.middle.model.name}
+
+
+@dataclass(frozen=True)
+class HsddwOptions:
+    """``hsddw`` options: the first drafter (``sd`` = a draft model, or a retrieval method name), the two models,
+    the first drafter's window and threshold, and the middle model's threshold and block size.
+
+    Defaults measured on SmolLM2 (BENCHMARKS.md): prompt lookup first (free to run) and 90 % of the target's layers
+    as the middle model; with ``--draft-model`` (or ``first=sd``) the first level is a draft model, by default two
+    thirds of the target's layers.
+    """
+
+    first: str = "pld"
+    draft: str = "self:0.67"
+    middle: str = "self:0.9"
+    k: int = 4
+    tau1: float = 1.0
+    tau: float = 1.0
+    max_block: int = 16
+
+
+#: first drafters hsddw takes besides a draft model
+FIRST_DRAFTERS = ("pld", "rest", "hd", "dense")
+
+
+@register("hsddw", HsddwOptions, summary="HSDDW: a first drafter, a pre-verifying middle model, then the target")
+def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDDWDrafter:
+    """``hsddw:first=pld,middle=self:0.9,...``; ``--draft-model`` makes the first level a draft model."""
+    first_name = options.first if "first" in written or not context.draft_model else "sd"
+    if first_name == "sd":
+        draft = given_model(written, "draft", context.draft_model, options.draft)
+        first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
+                                  DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
+    elif first_name in FIRST_DRAFTERS:
+        first = build_drafter(first_name, context)
+    else:
+        raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
+                         f"{first_name!r}")
+    middle = context.load_draft_lm(given_model(written, "middle", context.middle_model, options.middle), "hsddw")
+    return HSDDWDrafter(first, middle, HSDDWConfig(tau=options.tau, max_block=options.max_block))

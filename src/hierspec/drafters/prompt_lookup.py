@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.registry import register
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix
 
@@ -86,3 +87,9 @@ class PromptLookupDrafter(Drafter):
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         sequences = find_continuations(context, self.config) if budget > 0 else []
         return build_tree(int(context[-1]), sequences, sources=[self.name] * len(sequences), budget=budget)
+
+
+@register("pld", PromptLookupConfig, summary="prompt lookup: n-gram matches in the prompt and output")
+def build_prompt_lookup(options: PromptLookupConfig, written: dict[str, str], context) -> PromptLookupDrafter:
+    """``pld:max_ngram=3,min_ngram=2,draft_len=10,max_matches=4``."""
+    return PromptLookupDrafter(options)

@@ -13,6 +13,7 @@ import numpy as np
 
 from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.registry import register
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, root_only
 
@@ -129,3 +130,11 @@ class RestDrafter(Drafter):
         min_count = int(np.ceil(self.config.min_share * rows.shape[0]))
         sequences = top_trie_nodes(rows, limit, min_count)
         return build_tree(root, sequences, sources=[self.name] * len(sequences), budget=limit)
+
+
+@register("rest", RestConfig, summary="REST: retrieval from a suffix-array datastore (--datastore)")
+def build_rest(options: RestConfig, written: dict[str, str], context) -> RestDrafter:
+    """``rest:n_max=16,n_min=2,k=5000,m=10,c=64,min_share=0`` over the given suffix store."""
+    fingerprint, name = context.fingerprint()
+    store = SuffixStore.open(context.datastore("suffix", "rest"), fingerprint=fingerprint, tokenizer_name=name)
+    return RestDrafter(store, options)
