@@ -56,9 +56,11 @@ class Projection:
         else:
             self.weights, self.biases = weights, biases
 
-    def __call__(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
+        """The members' products with ``rows``; packed and ``split=False``: one tensor of them all side by side."""
         if self.packed:
-            return list(packed_linear(rows, self.weight, self.bias).split(self.widths, dim=-1))
+            product = packed_linear(rows, self.weight, self.bias)
+            return list(product.split(self.widths, dim=-1)) if split else [product]
         return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
 
 
@@ -114,6 +116,8 @@ class LlamaFamilyDecoder:
         """
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
+        # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
+        mask = torch.zeros(mask.shape, dtype=self.embedding.dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, mask, cache, rows)
@@ -123,10 +127,7 @@ class LlamaFamilyDecoder:
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                mask: torch.Tensor, cache, rows: int) -> torch.Tensor:
-        query, key, value = layer.qkv(_rms_norm(hidden, layer.norm1, self.eps))
-        query = _rotate(query.view(1, rows, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-        key = _rotate(key.view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-        value = value.view(1, rows, self.kv_heads, self.head_dim).transpose(1, 2)
+        query, key, value = self._attention_inputs(layer, _rms_norm(hidden, layer.norm1, self.eps), cos, sin, rows)
         keys, values = cache.layers[index].update(key, value)
         attended, _ = tree_attention(None, query, keys, values, mask, scaling=self.scaling)
         (out,) = layer.out(attended.reshape(rows, self.heads * self.head_dim))
@@ -135,8 +136,24 @@ class LlamaFamilyDecoder:
         (down,) = layer.down(F.silu(gate) * up)
         return hidden + down
 
+    def _attention_inputs(self, layer: _Layer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys and the values, ``[1, heads, rows, head_dim]``; with one packed q/k/v product
+        the queries and keys are rotated together (the same element-wise arithmetic, half the operations)."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        if layer.qkv.packed:
+            (product,) = layer.qkv(normed, split=False)
+            states = product.view(1, rows, heads + 2 * kv_heads, dim).transpose(1, 2)
+            rotated = _rotate(states[:, : heads + kv_heads], cos, sin)
+            return rotated[:, :heads], rotated[:, heads:], states[:, heads + kv_heads :]
+        query, key, value = layer.qkv(normed)
+        query = _rotate(query.view(1, rows, heads, dim).transpose(1, 2), cos, sin)
+        key = _rotate(key.view(1, rows, kv_heads, dim).transpose(1, 2), cos, sin)
+        return query, key, value.view(1, rows, kv_heads, dim).transpose(1, 2)
+
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos``/``sin`` rows ``[1, 1, rows, head_dim]`` of the positions, from the table (grown on demand)."""
+        """``cos`` and signed ``sin`` rows ``[1, 1, rows, head_dim]`` of the positions, from the table (grown on
+        demand)."""
         needed = int(positions.max()) + 1
         if needed > self._cos.shape[0]:
             self._fill_table(needed)
@@ -152,7 +169,8 @@ class LlamaFamilyDecoder:
         size = max(needed, min(size, self._max_positions))
         probe = self.embedding[:1][None]
         cos, sin = self._rotary(probe, torch.arange(size, device=probe.device)[None])
-        self._cos, self._sin = cos[0], sin[0]
+        half = self.head_dim // 2
+        self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,11 +181,12 @@ def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * wide.to(dtype)
 
 
-def _rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' apply_rotary_pos_emb for one tensor: ``x * cos + rotate_half(x) * sin``."""
+def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one tensor, ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = cat(-x2, x1)``: computed as ``cat(x2, x1) * cat(-sin1, sin2)``, which is the same product
+    bit for bit (a sign moves between the factors) without negating ``x``."""
     half = states.shape[-1] // 2
-    rotated = torch.cat((-states[..., half:], states[..., :half]), dim=-1)
-    return (states * cos) + (rotated * sin)
+    return (states * cos) + (states.roll(half, -1) * signed_sin)
 
 
 def build_decoder(model: nn.Module, packed: bool) -> LlamaFamilyDecoder | None:
