@@ -100,6 +100,7 @@ def test_budget_auto_keeps_greedy_output_identical(tmp_path):
 def test_a_missing_curve_is_measured_once_and_saved(tmp_path, monkeypatch):
     from hierspec import calibration
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no curve saved by other tests of this session
     target = make_target("llama", vocab_size=64, seed=3, max_positions=256)
     path = calibration.default_curve_path(target)
     assert not path.exists()

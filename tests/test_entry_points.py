@@ -66,8 +66,6 @@ def test_generate_with_the_default_method_equals_plain_decoding_and_the_demo(dem
     assert ours["token_ids"] == reference["token_ids"]
     assert ours["text"].strip()
     assert demo.stdout.rstrip().endswith(ours["text"].rstrip())  # the demo's last answer, same prompt and length
-    text = _run("generate", prompt, "--max-new-tokens", MAX_TOKENS)
-    assert text.returncode == 0 and text.stdout.strip() == ours["text"].strip()
 
 
 @pytest.fixture(scope="module")
