@@ -89,7 +89,7 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
 
 
 def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
-                       repeats: int = 5, seed: int = 0) -> CostCurve:
+                       repeats: int = 5, seed: int = 0, desc: str = "calibrating") -> CostCurve:
     """Median time of a verification forward of each size over a random ``context``-token prefix.
 
     One prefilled cache serves every forward (the tree's entries are dropped after each), and the sizes take turns
@@ -108,7 +108,7 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     target.prefill(cache, ids[:-1])
     past = cache.get_seq_length()
     times: list[list[float]] = [[] for _ in sizes]
-    for repeat in tqdm(range(repeats + 1), desc="calibrating", unit="round"):
+    for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
             target.synchronize()
             start = time.perf_counter()
@@ -157,9 +157,10 @@ def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
     sizes = tuple(k for k in AUTO_SIZES if 64 + k < target.max_context)
     if not sizes:
         return None
-    log.warning("no cost curve for %s on this machine yet: measuring one (once; `hierspec calibrate` measures a "
-                "finer one)", target.name)
-    curve = measure_cost_curve(target, sizes, context=64, repeats=AUTO_REPEATS)
+    log.info("no cost curve for %s on this machine yet: measuring one (once; `hierspec calibrate` measures a finer "
+             "one)", target.name)
+    curve = measure_cost_curve(target, sizes, context=64, repeats=AUTO_REPEATS,
+                               desc="measuring this machine's verification cost (once)")
     try:
         save_curve(curve, path)
     except OSError as exc:
