@@ -3,6 +3,7 @@
     python scripts/cost_curves.py MODEL [--runtimes packed,eager] [--decoders auto,transformers] [--repeats 7]
 
 MODEL is anything ``--model`` takes (default model: ``default``). Each combination loads the model afresh in float32
+(``int4``: a GGUF file's own quantized weights)
 and prints ``ms`` per verification forward of 1–32 tree tokens over a 128-token context (median of ``repeats``),
 with the same function ``hierspec calibrate`` uses.
 """
@@ -16,7 +17,7 @@ import torch
 
 from hierspec.calibration import measure_cost_curve
 from hierspec.config import ModelConfig
-from hierspec.loading import load_pretrained
+from hierspec.loading import gguf_source, load_pretrained
 from hierspec.machine import cpu_info
 from hierspec.runtime import RuntimeConfig
 from hierspec.target import TargetModel
@@ -39,7 +40,10 @@ def main() -> None:
             start = time.perf_counter()
             model, tokenizer, name, _, _ = load_pretrained(ModelConfig(spec=spec, dtype="float32",
                                                                        threads=args.threads))
-            target = TargetModel(model, tokenizer, name, RuntimeConfig(kind=runtime, decoder=decoder))
+            gguf = gguf_source(ModelConfig(spec=spec)) if runtime == "int4" else None
+            target = TargetModel(model, tokenizer, name, RuntimeConfig(
+                kind=runtime, decoder=decoder, gguf=None if gguf is None else str(gguf),
+                gguf_cache=model.config._name_or_path))
             curve = measure_cost_curve(target, SIZES, context=128, repeats=args.repeats)
             print(f"{runtime:>7} {target.runtime.describe()['decoder']:>12}: "
                   + " ".join(f"{ms:7.1f}" for ms in curve.ms) + f"   ({time.perf_counter() - start:.0f} s)", flush=True)

@@ -15,12 +15,14 @@ from hierspec.errors import HierspecError, InputError
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, help="HF id, local directory or .gguf file (default: SmolLM2-135M)")
-    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU), float32, float64, bfloat16, float16")
+    group.add_argument("--dtype", default="auto", help="auto (float32 on CPU; a .gguf file keeps its quantized weights), float32 "
+                            "(expands a .gguf file), float64, bfloat16, float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
-    group.add_argument("--runtime", default="auto", choices=["auto", "packed", "graphs", "eager"],
-                       help="verification runtime: auto (CUDA graphs on CUDA, prepacked oneDNN linears on CPU where "
-                            "available), packed, graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
+    group.add_argument("--runtime", default="auto", choices=["auto", "int4", "packed", "graphs", "eager"],
+                       help="verification runtime: auto (CUDA graphs on CUDA; on CPU a .gguf file's own 4/8-bit "
+                            "weights with --dtype auto, else prepacked oneDNN linears where available), int4, packed "
+                            "(dequantized weights), graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
                             "linears; no second copy of the weights)")
 
 

@@ -114,7 +114,9 @@ class ModelConfig:
         cache_dir: where converted GGUF weights are cached; ``None`` uses the user cache directory.
         local_files_only: never contact a model hub (a Hugging Face id must already be in the local HF cache).
         runtime: how verification forwards run (:class:`hierspec.runtime.RuntimeConfig`): ``"auto"`` (CUDA graphs on
-            CUDA, prepacked oneDNN linears on CPU where they work), ``"packed"`` (an error where they do not),
+            CUDA; on CPU a GGUF file's own 4/8-bit weights when ``dtype`` is ``"auto"`` and its blocks are supported,
+            else prepacked oneDNN linears where they work), ``"int4"`` (the GGUF file's weights, an error where that
+            path cannot run), ``"packed"`` (dequantized weights, prepacked; an error where packing is unavailable),
             ``"graphs"`` (static KV cache and CUDA graphs) or ``"eager"``.
     """
 
@@ -127,8 +129,8 @@ class ModelConfig:
     runtime: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.runtime not in {"auto", "packed", "graphs", "eager"}:
-            raise InputError(f"unknown runtime {self.runtime!r}: use auto, packed, graphs or eager")
+        if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
+            raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.dtype not in {"auto", "float32", "float64", "bfloat16", "float16"}:
             raise InputError(f"unknown dtype {self.dtype!r}: use auto, float32, float64, bfloat16 or float16")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):

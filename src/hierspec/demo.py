@@ -37,7 +37,8 @@ def run_demo(model: TargetModel, method: str = "hd", max_new_tokens: int = 96, o
     spec = SpeculativeDecoder(model, make_drafter(method, context or DrafterContext(model)))
     plain.generate(model.encode_prompt("Hello"), GenerationConfig(max_new_tokens=4))  # warm-up, untimed
     totals = {"ar_tokens": 0, "ar_time": 0.0, "spec_tokens": 0, "spec_time": 0.0, "identical": 0}
-    print(f"model: {model.name} on {model.device} ({str(model.dtype).replace('torch.', '')})", file=out)
+    weights = model.runtime.describe()["weights"]
+    print(f"model: {model.name} on {model.device} ({weights} weights)", file=out)
     print(f"{'prompt':<8}{'ar tok/s':>10}{method + ' tok/s':>14}{'speedup':>9}{'MAT':>7}  identical", file=out)
     for index, prompt in enumerate(DEMO_PROMPTS, 1):
         ids = model.encode_prompt(prompt)

@@ -118,6 +118,15 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
             raise
 
 
+def gguf_source(config: ModelConfig) -> Path | None:
+    """The GGUF file a model spec names (the default model's included), or ``None`` for other specs."""
+    if config.spec is None:
+        return default_model_path()
+    if config.spec.lower().endswith(".gguf"):
+        return Path(config.spec).expanduser()
+    return None
+
+
 def materialize(config: ModelConfig) -> tuple[str, str]:
     """Return ``(loadable_path_or_id, display_name)`` for a model spec, converting GGUF files when needed."""
     if config.spec is None:

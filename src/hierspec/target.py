@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from hierspec.chat import encode_chat
 from hierspec.config import ModelConfig, check_text
 from hierspec.errors import HierspecError, InputError, ModelLoadError
-from hierspec.loading import load_pretrained, model_fingerprint, tokenizer_fingerprint
+from hierspec.loading import gguf_source, load_pretrained, model_fingerprint, tokenizer_fingerprint
 from hierspec.runtime import Runtime, RuntimeConfig
 from hierspec.runtime.kv_cache import TreeCache
 from hierspec.tree import DraftTree
@@ -207,4 +207,14 @@ def load_model(spec: str | None = None, config: ModelConfig | None = None) -> Ta
     if spec is not None:
         config = ModelConfig(**{**config.__dict__, "spec": spec})
     model, tokenizer, name, _, _ = load_pretrained(config)
-    return TargetModel(model, tokenizer, name=name, runtime=RuntimeConfig(kind=config.runtime))
+    return TargetModel(model, tokenizer, name=name, runtime=runtime_config(config, model))
+
+
+def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
+    """The runtime a model configuration asks for: a GGUF file keeps its quantized weights unless a dtype was
+    chosen explicitly (``--dtype float32`` expands them) or another runtime was named."""
+    gguf = gguf_source(config) if config.dtype == "auto" else None
+    if gguf is None:
+        return RuntimeConfig(kind=config.runtime)
+    # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
+    return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path)

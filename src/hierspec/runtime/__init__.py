@@ -9,6 +9,8 @@ It owns what makes a forward cheap and leaves the model's code untouched:
 * :mod:`~hierspec.runtime.kv_cache` — a KV cache in preallocated, doubling buffers, compacted in place;
 * :mod:`~hierspec.runtime.inputs` — ids, positions and mask written into reused buffers, padded to a few bucket
   sizes, so a row's result does not depend on the tree around it;
+* :mod:`~hierspec.runtime.quantized` — a GGUF file's 4-bit/8-bit blocks multiplied as they are (PyTorch's int4
+  kernel) instead of expanded to float32;
 * :mod:`~hierspec.runtime.graphs` — on CUDA, a static KV cache owned by the runtime and reused by every generation,
   and tree forwards replayed from CUDA graphs captured once per (rows, key width) shape.
 
@@ -28,15 +30,17 @@ import torch
 from hierspec.errors import InputError
 from hierspec.runtime import attention, onednn
 from hierspec.runtime.decoder import LlamaFamilyDecoder, build_decoder
+from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache
 from hierspec.runtime.onednn import LinearPacking, probe
+from hierspec.runtime.quantized import Int4Weight, kernel_reason, load_gguf_weights
 
 log = logging.getLogger(__name__)
 
-RUNTIME_KINDS = ("auto", "packed", "graphs", "eager")
+RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
@@ -52,8 +56,9 @@ class RuntimeConfig:
     """How verification forwards run.
 
     Attributes:
-        kind: ``"auto"`` (CUDA graphs on CUDA; prepacked oneDNN linears on CPU in float32/bfloat16 where they
-            work; else eager), ``"packed"`` (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static
+        kind: ``"auto"`` (CUDA graphs on CUDA; on CPU the ``gguf`` file's quantized weights where it names one and
+            its blocks are supported, else prepacked oneDNN linears in float32/bfloat16 where they work; else
+            eager), ``"int4"`` (the ``gguf`` file's weights, an error where that path cannot run), ``"packed"`` (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static
             KV cache with tree forwards replayed from CUDA graphs; on the CPU the same static path runs uncaptured)
             or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
         buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed,
@@ -61,11 +66,16 @@ class RuntimeConfig:
         decoder: ``"auto"`` (on the CPU, hierspec's own forward for Llama-family models,
             :mod:`hierspec.runtime.decoder`, with packed or PyTorch products by ``kind``) or ``"transformers"``
             (transformers' modules always).
+        gguf: the GGUF file the model was loaded from, whose quantized blocks the ``int4`` path multiplies;
+            ``None``: the loaded (dequantized) weights only.
+        gguf_cache: a directory where the decoded blocks are cached (the file's converted-weights directory).
     """
 
     kind: str = "auto"
     buckets: tuple[int, ...] | None = None
     decoder: str = "auto"
+    gguf: str | None = None
+    gguf_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_KINDS:
@@ -92,18 +102,22 @@ class Runtime:
             _warn_emulated_bfloat16()
         self.decoder: LlamaFamilyDecoder | None = None
         self.packing = None
-        packable = not use_graphs and self._packing_reason() is None
-        if not use_graphs and self.config.decoder == "auto":
+        quantized = None if use_graphs else self._quantized_weights()
+        packable = not use_graphs and quantized is None and self._packing_reason() is None
+        if quantized is not None:
+            self.decoder = build_decoder(model, packed=False, quantized=quantized)
+        elif not use_graphs and self.config.decoder == "auto":
             self.decoder = build_decoder(model, packed=packable)
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
-        self.kind = "graphs" if use_graphs else "packed" if packed else "eager"
+        self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
         default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
         self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
-        self.align = PACKED_KV_ALIGN if self.kind == "packed" else 1
+        # keys attended in 64-slot widths: a row's attention then does not depend on how many rows share the forward
+        self.align = PACKED_KV_ALIGN if self.kind in ("packed", "int4") else 1
         text_config = model.config.get_text_config(decoder=True)
         self.num_layers = int(text_config.num_hidden_layers)
         heads = int(getattr(text_config, "num_attention_heads", 1))
@@ -112,6 +126,31 @@ class Runtime:
         self.inputs = TreeInputs(self.device, groups=heads // self.kv_heads, align=self.align)
         self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
         self._static_cache: StaticTreeCache | None = None
+
+    def _quantized_weights(self) -> dict[str, list[Int4Weight]] | None:
+        """The GGUF file's int4 passes when the int4 path applies (``auto`` or ``int4``), else ``None`` with the
+        reason logged (an :class:`InputError` when ``int4`` was asked for)."""
+        if self.config.kind not in ("auto", "int4"):
+            return None
+        reason = self._int4_reason()
+        weights = None
+        if reason is None:
+            weights, reason = load_gguf_weights(self.config.gguf, self.model.config, self.config.gguf_cache)
+        if reason is not None:
+            if self.config.kind == "int4":
+                raise InputError(f"the int4 runtime is unavailable: {reason}")
+            if self.config.gguf is not None:
+                log.info("GGUF weights run dequantized: %s", reason)
+        return weights
+
+    def _int4_reason(self) -> str | None:
+        if self.config.gguf is None:
+            return "the model was not loaded from a GGUF file"
+        if self.device.type != "cpu":
+            return "the int4 path runs on the CPU only"
+        if self.config.decoder != "auto":
+            return "the int4 path needs hierspec's own decoder (--decoder transformers was asked for)"
+        return decoder_reason(self.model) or kernel_reason()
 
     def _packing_reason(self) -> str | None:
         """Why linears run unpacked (``--runtime eager``, not the CPU, a dtype oneDNN does not pack), or ``None``."""
@@ -129,6 +168,7 @@ class Runtime:
         return {"kind": self.kind, "buckets": list(self.buckets),
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
+                "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:

@@ -17,6 +17,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "hierspec_tree"
 
 
+#: on the CPU, SDPA computes fewer query rows than this (per key/value head, grouped heads folded in) on another
+#: path whose results differ in the last bit from the same rows computed among more; fewer are padded up to it, so
+#: a row's attention does not depend on how many rows share the forward
+MIN_QUERY_ROWS = 4
+
+
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -37,10 +43,24 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     causal = attention_mask is None and q_len > 1 and groups == 1 and key.shape[2] == q_len
     if attention_mask is None and q_len > 1 and not causal:
         attention_mask = _causal_rows(q_len, key.shape[2], groups, query.device)
+    rows = query.shape[2]
+    if attention_mask is not None and rows < MIN_QUERY_ROWS and query.device.type == "cpu":
+        query, attention_mask = _pad_queries(query, attention_mask, MIN_QUERY_ROWS)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal)
-    out = out.reshape(batch, heads, q_len, value.shape[-1])
+    out = out[:, :, :rows].reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _pad_queries(query: torch.Tensor, mask: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and mask padded with zero rows that attend every key, to ``rows`` rows (outputs to be dropped)."""
+    extra = rows - query.shape[2]
+    query = torch.cat((query, query.new_zeros(*query.shape[:2], extra, query.shape[3])), dim=2)
+    mask = mask.expand(query.shape[0], *mask.shape[1:]) if mask.shape[0] != query.shape[0] else mask
+    filler = torch.ones(*mask.shape[:2], extra, mask.shape[3], dtype=mask.dtype, device=mask.device)
+    if mask.dtype != torch.bool:
+        filler = torch.zeros_like(filler)
+    return query, torch.cat((mask, filler), dim=2)
 
 
 def _causal_rows(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ sequence length, non-SiLU activations); the runtime then runs transformers' modu
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 
 from hierspec.runtime.attention import tree_attention
 from hierspec.runtime.onednn import pack_weight, packed_linear
+from hierspec.runtime.quantized import Int4Projection, Int4Weight
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,10 @@ class Projection:
 class _Layer:
     norm1: torch.Tensor
     norm2: torch.Tensor
-    qkv: Projection
-    out: Projection
-    gate_up: Projection
-    down: Projection
+    qkv: Projection | Int4Projection
+    out: Projection | Int4Projection
+    gate_up: Projection | Int4Projection
+    down: Projection | Int4Projection
 
 
 class LlamaFamilyDecoder:
@@ -82,7 +83,8 @@ class LlamaFamilyDecoder:
             attention's score scale, as transformers' module holds it.
     """
 
-    def __init__(self, model: nn.Module, packed: bool) -> None:
+    def __init__(self, model: nn.Module, packed: bool,
+                 quantized: Mapping[str, Sequence[Int4Weight]] | None = None) -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -93,14 +95,21 @@ class LlamaFamilyDecoder:
         self.eps = float(inner.norm.variance_epsilon)
         self.embedding = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.lm_head = Projection([model.get_output_embeddings()], packed)
+        self.quantized = quantized is not None
+        names = {module: name for name, module in model.named_modules()}
+
+        def projection(*linears: nn.Module) -> Projection | Int4Projection:
+            if quantized is None:
+                return Projection(linears, packed)
+            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears])
+
+        self.lm_head = projection(model.get_output_embeddings())
         self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
                               norm2=layer.post_attention_layernorm.weight.detach(),
-                              qkv=Projection([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-                                             packed),
-                              out=Projection([layer.self_attn.o_proj], packed),
-                              gate_up=Projection([layer.mlp.gate_proj, layer.mlp.up_proj], packed),
-                              down=Projection([layer.mlp.down_proj], packed))
+                              qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                              out=projection(layer.self_attn.o_proj),
+                              gate_up=projection(layer.mlp.gate_proj, layer.mlp.up_proj),
+                              down=projection(layer.mlp.down_proj))
                        for layer in inner.layers[: config.num_hidden_layers]]
         self._rotary = inner.rotary_emb
         self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
@@ -189,13 +198,15 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     return (states * cos) + (states.roll(half, -1) * signed_sin)
 
 
-def build_decoder(model: nn.Module, packed: bool) -> LlamaFamilyDecoder | None:
-    """The owned forward for ``model``, or ``None`` (with the reason logged) where transformers' modules must run."""
+def build_decoder(model: nn.Module, packed: bool,
+                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None) -> LlamaFamilyDecoder | None:
+    """The owned forward for ``model`` (its linears from ``quantized`` passes where given), or ``None`` (with the
+    reason logged) where transformers' modules must run."""
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed)
+    return LlamaFamilyDecoder(model, packed, quantized)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

@@ -1,0 +1,279 @@
+"""A GGUF file's 4-bit and 8-bit weights in every forward, through PyTorch's weight-only int4 kernel on the CPU.
+
+Expanding a Q4_1 file to float32 makes every forward stream ~6x the bytes the file holds (SmolLM2-135M: 540 MB
+instead of ~90 MB). ``aten._weight_int4pack_mm_for_cpu`` multiplies bfloat16 rows by 4-bit codes in groups of 32
+along the input dimension, each group with a scale and an offset: ``w = (code - 8) * scale + zero``. GGUF's blocks
+are 32 elements too, so the file's codes are kept exactly:
+
+* ``Q4_0`` (``w = (q - 8) * d``): code ``q``, scale ``d``, zero 0;
+* ``Q4_1`` (``w = q * d + m``): code ``q``, scale ``d``, zero ``m + 8 d``;
+* ``Q8_0`` (``w = q * d``, ``q`` a signed byte): two 4-bit passes whose sum is ``q * d`` — the high nibble with scale
+  ``16 d`` and the low nibble with zero ``8 d``.
+
+Decoded in float32, every one of these reproduces ``gguf``'s own dequantization bit for bit
+(``tests/test_quantized.py``). The kernel takes its scales and offsets in bfloat16 and returns bfloat16 products, so
+the model that runs is the file's codes with scales rounded to bfloat16 and bfloat16 activations at each product —
+the same model for every method and every row count (the kernel is row-invariant), which is what "lossless" is
+measured against on this path. Other block types (``Q4_K``, ``Q6_K``, …) are not supported yet: such files run
+dequantized, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+#: elements per scale/offset group, GGUF's block size for Q4_0, Q4_1 and Q8_0
+GROUP = 32
+#: GGUF block types this module keeps quantized
+SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")
+#: the decoded-weights cache beside a GGUF file's converted weights
+CACHE_FILE = "int4-weights.safetensors"
+CACHE_MAGIC = "hierspec-int4-weights"
+CACHE_VERSION = 1
+#: the kernel packs output rows in tiles of this many
+ROW_MULTIPLE = 16
+#: the kernel's activation, scale and output dtype on the CPU (float32 activations run ~20x slower there)
+KERNEL_DTYPE = torch.bfloat16
+
+_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """One 4-bit pass of a weight ``[out, in]``: ``weight = (codes - 8) * scales + zeros`` per group of 32 inputs.
+
+    Attributes:
+        codes: uint8 ``[out, in]``, values 0..15.
+        scales, zeros: float32 ``[out, in / 32]``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The pass's weight in float32 (one multiply and one add per element, as ``gguf`` rounds them)."""
+        scales = self.scales.repeat_interleave(GROUP, dim=1)
+        zeros = self.zeros.repeat_interleave(GROUP, dim=1)
+        return (self.codes.to(torch.float32) - 8) * scales + zeros
+
+    def take_rows(self, order: torch.Tensor) -> Int4Weight:
+        """The same pass with its output rows reordered."""
+        return Int4Weight(self.codes[order], self.scales[order], self.zeros[order])
+
+
+def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4Weight]:
+    """The 4-bit passes of one GGUF tensor ``[rows, cols]`` stored as ``kind`` blocks in ``raw`` (its bytes).
+
+    Raises:
+        ValueError: for a block type outside :data:`SUPPORTED_BLOCKS` or a size that does not match.
+    """
+    if kind not in SUPPORTED_BLOCKS:
+        raise ValueError(f"GGUF block type {kind} is not supported by the int4 path")
+    if cols % GROUP:
+        raise ValueError(f"a row of {cols} elements is not a whole number of {GROUP}-element blocks")
+    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // GROUP, block_bytes)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if kind == "Q8_0":
+        values = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
+        high, low = (values >> 4) + 8, values & 15
+        return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
+    packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+    codes = np.concatenate((packed & 15, packed >> 4), axis=-1)  # element j in the low nibble, j + 16 in the high
+    if kind == "Q4_0":
+        return [_weight(codes, scale, np.zeros_like(scale))]
+    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return [_weight(codes, scale, minimum + 8 * scale)]
+
+
+def _weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> Int4Weight:
+    rows = codes.shape[0]
+    return Int4Weight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1), dtype=np.uint8)),
+                      torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
+                      torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32)))
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_reason() -> str | None:
+    """Why the int4 kernel cannot run here (missing operator, wrong results), or ``None`` when it can."""
+    try:
+        codes = torch.arange(ROW_MULTIPLE * GROUP, dtype=torch.int32).remainder(16).reshape(ROW_MULTIPLE, GROUP)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales = torch.ones(1, ROW_MULTIPLE, 2, dtype=KERNEL_DTYPE)
+        scales[..., 1] = 0
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(32, dtype=KERNEL_DTYPE), packed, GROUP, scales)
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        return f"PyTorch's int4 CPU kernel is unavailable ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    if not torch.equal(out.t().float(), (codes - 8).float()):
+        return "PyTorch's int4 CPU kernel decodes codes differently from what this module expects"
+    return None
+
+
+class Int4Projection:
+    """Several quantized linears applied to one input (q/k/v, gate/up): one int4 product per pass of their stacked
+    weights, outputs in float32 (plus the float32 biases).
+
+    Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one product for all members).
+    """
+
+    packed = True
+
+    def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None]) -> None:
+        self.widths = [passes[0].codes.shape[0] for passes in members]
+        depth = {len(passes) for passes in members}
+        if len(depth) != 1:
+            raise ValueError("members of one projection must have the same number of int4 passes")
+        self.passes = [_pack([passes[i] for passes in members]) for i in range(depth.pop())]
+        self.bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
+
+    def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
+        inputs = rows.to(KERNEL_DTYPE).contiguous()
+        product = None
+        for packed, scales in self.passes:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, packed, GROUP, scales).float()
+            product = out if product is None else product + out
+        if self.bias is not None:
+            product = product + self.bias
+        return list(product.split(self.widths, dim=-1)) if split else [product]
+
+
+def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's packed codes ``[out, in / 2]`` and its ``[in / 32, out, 2]`` scale/offset table."""
+    codes = torch.cat([w.codes for w in weights]).to(torch.int32)
+    scales = torch.cat([w.scales for w in weights])
+    zeros = torch.cat([w.zeros for w in weights])
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    table = torch.stack((scales.t(), zeros.t()), dim=-1).to(KERNEL_DTYPE).contiguous()
+    return packed, table
+
+
+def load_gguf_weights(path: str | Path, config, cache_dir: str | Path | None = None
+                      ) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
+    """:func:`read_gguf_weights`, through a cache file in ``cache_dir`` (the directory of the file's converted
+    weights): reading a GGUF file's metadata takes seconds (its tokenizer's strings), the cache a fraction of that.
+    A cache that cannot be read is rebuilt; one that cannot be written is skipped with a log line."""
+    cache = None if cache_dir is None else Path(cache_dir) / CACHE_FILE
+    if cache is not None and cache.is_file():
+        from safetensors import SafetensorError
+
+        try:
+            return _read_cache(cache), None
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+            log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, exc)
+    weights, reason = read_gguf_weights(path, config)
+    if weights is not None and cache is not None:
+        _write_cache(cache, weights)
+    return weights, reason
+
+
+def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
+    from safetensors import safe_open
+
+    weights: dict[str, list[Int4Weight]] = {}
+    with safe_open(str(cache), framework="pt") as handle:
+        meta = handle.metadata() or {}
+        if meta.get("magic") != CACHE_MAGIC or meta.get("version") != str(CACHE_VERSION):
+            raise ValueError("not a hierspec int4 cache of this version")
+        for module, count in json.loads(meta["modules"]).items():
+            passes = []
+            for i in range(count):
+                nibbles = handle.get_tensor(f"{module}/{i}/codes")
+                codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
+                passes.append(Int4Weight(codes, handle.get_tensor(f"{module}/{i}/scales"),
+                                         handle.get_tensor(f"{module}/{i}/zeros")))
+            weights[module] = passes
+    return weights
+
+
+def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for module, passes in weights.items():
+        for i, weight in enumerate(passes):
+            tensors[f"{module}/{i}/codes"] = (weight.codes[:, 0::2] | (weight.codes[:, 1::2] << 4)).contiguous()
+            tensors[f"{module}/{i}/scales"] = weight.scales.contiguous()
+            tensors[f"{module}/{i}/zeros"] = weight.zeros.contiguous()
+    meta = {"magic": CACHE_MAGIC, "version": str(CACHE_VERSION),
+            "modules": json.dumps({module: len(passes) for module, passes in weights.items()})}
+    handle, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp") \
+        if cache.parent.is_dir() else (None, None)
+    if tmp is None:
+        return
+    os.close(handle)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
+                    cache, exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def read_gguf_weights(path: str | Path, config) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
+    """The int4 passes of every linear of a Llama-family GGUF file, keyed by transformers module name
+    (``model.layers.0.self_attn.q_proj``, …, ``lm_head``), or ``(None, reason)`` when some tensor's block type is
+    not supported.
+
+    ``config`` is the transformers config of the same model: Llama files store q/k rows permuted for llama.cpp's
+    rotary layout, and the rows are put back in transformers' order as transformers' own GGUF loader does.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    weights: dict[str, list[Int4Weight]] = {}
+    for gguf_name, module in _module_names(tensors, int(config.num_hidden_layers)).items():
+        tensor = tensors[gguf_name]
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_BLOCKS:
+            return None, f"{gguf_name} is stored as {kind} (the int4 path reads {', '.join(SUPPORTED_BLOCKS)})"
+        cols, rows = (int(n) for n in tensor.shape[:2])
+        if rows % ROW_MULTIPLE:
+            return None, f"{gguf_name} has {rows} output rows (the int4 kernel needs a multiple of {ROW_MULTIPLE})"
+        passes = decode_blocks(kind, tensor.data, rows, cols)
+        order = _unpermuted_rows(gguf_name, rows, config)
+        weights[module] = passes if order is None else [p.take_rows(order) for p in passes]
+    return weights, None
+
+
+def _module_names(tensors: Mapping[str, object], layers: int) -> dict[str, str]:
+    names = {f"blk.{i}.{short}.weight": f"model.layers.{i}.{long}"
+             for i in range(layers) for short, long in _LAYER_NAMES.items()}
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise ValueError(f"the GGUF file has no tensor {missing[0]}")
+    names["output.weight" if "output.weight" in tensors else "token_embd.weight"] = "lm_head"
+    return names
+
+
+def _unpermuted_rows(gguf_name: str, rows: int, config) -> torch.Tensor | None:
+    """Row order undoing llama.cpp's q/k permutation for Llama models (transformers'
+    ``LlamaTensorProcessor._reverse_permute_weights`` applied to row indices), ``None`` where nothing moves."""
+    if getattr(config, "model_type", None) != "llama" or not (".attn_q." in gguf_name
+                                                                               or ".attn_k." in gguf_name):
+        return None
+    heads = int(config.num_attention_heads)
+    if ".attn_k." in gguf_name:
+        heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    dim = rows // heads // 2
+    return torch.arange(rows).reshape(heads, dim, 2).transpose(1, 2).reshape(rows)

@@ -1,0 +1,186 @@
+"""GGUF weights kept quantized (:mod:`hierspec.runtime.quantized`): exact repacking of each block type, a tiny model
+written as a GGUF file by the ``gguf`` package run on the int4 path, losslessness on that path, clean fallbacks."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from hierspec.config import GenerationConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter
+from hierspec.errors import InputError
+from hierspec.methods import make_drafter
+from hierspec.runtime import RuntimeConfig
+from hierspec.runtime import quantized as q
+from hierspec.target import TargetModel
+from hierspec.tree import build_tree
+from tiny import make_model, make_tokenizer
+
+pytestmark = pytest.mark.skipif(q.kernel_reason() is not None, reason=str(q.kernel_reason()))
+
+VOCAB = 64
+LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_decoded_blocks_equal_gguf_dequantization_bit_for_bit(kind):
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, size=(48, 1))).astype(np.float32)
+    data[0, :32] = 0.0  # an all-zero block
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize(data, qtype)
+    passes = q.decode_blocks(kind, raw, 48, 96)
+    assert len(passes) == (2 if kind == "Q8_0" else 1)
+    for weight in passes:
+        assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15
+    decoded = sum(p.dequantize() for p in passes)
+    assert torch.equal(decoded, torch.from_numpy(dequantize(raw, qtype)))
+
+
+def test_unsupported_block_types_are_refused_by_name():
+    with pytest.raises(ValueError, match="Q6_K"):
+        q.decode_blocks("Q6_K", np.zeros(210, np.uint8), 1, 256)
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's row order for Llama q/k weights (what its converter writes)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def write_tiny_gguf(path, model, layer_kind="Q4_1", head_kind="Q8_0", plain=()):
+    """Quantize ``model``'s linears into a GGUF file the way llama.cpp lays them out, and set the model's weights to
+    the file's dequantized values (so the float32 model *is* the file). ``plain`` names tensors written as F32."""
+    writer = GGUFWriter(str(path), "llama")
+    config = model.config
+    tensors = {"token_embd.weight": (model.model.embed_tokens, head_kind), "output.weight": (model.lm_head, head_kind)}
+    for i in range(config.num_hidden_layers):
+        layer = model.model.layers[i]
+        for short, long in LAYER_TENSORS.items():
+            tensors[f"blk.{i}.{short}.weight"] = (layer.get_submodule(long), layer_kind)
+    for name, (module, kind) in tensors.items():
+        weight = module.weight.detach().numpy().astype(np.float32)
+        heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
+        stored = _llama_cpp_permute(weight, heads) if (".attn_q." in name or ".attn_k." in name) else weight
+        if name in plain:
+            writer.add_tensor(name, stored)
+            continue
+        qtype = GGMLQuantizationType[kind]
+        raw = quantize(stored, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        exact = dequantize(raw, qtype)
+        if stored is not weight:  # undo the permutation for the model's own copy
+            order = np.arange(weight.shape[0]).reshape(heads, weight.shape[0] // heads // 2, 2).swapaxes(1, 2)
+            exact = exact[order.reshape(-1)]
+        module.weight.data.copy_(torch.from_numpy(exact))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiny(tmp_path, arch="llama", **kinds):
+    model = make_model(arch, vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64)
+    return model, write_tiny_gguf(tmp_path / "tiny.gguf", model, **kinds)
+
+
+@pytest.mark.parametrize("layer_kind", ["Q4_0", "Q4_1"])
+def test_a_gguf_files_weights_decode_to_exactly_the_dequantized_model(tmp_path, layer_kind):
+    model, path = _tiny(tmp_path, layer_kind=layer_kind)
+    weights, reason = q.read_gguf_weights(path, model.config)
+    assert reason is None
+    modules = dict(model.named_modules())
+    assert set(weights) == {f"model.layers.{i}.{n}" for i in range(2) for n in LAYER_TENSORS.values()} | {"lm_head"}
+    for name, passes in weights.items():  # q/k rows back in transformers' order, Q8_0 head in two passes
+        assert torch.equal(sum(p.dequantize() for p in passes), modules[name].weight.detach()), name
+
+
+def _int4_target(model, path, **config):
+    target = TargetModel(model, make_tokenizer(VOCAB), "tiny-int4", RuntimeConfig(gguf=str(path), **config))
+    assert target.runtime.kind == "int4" and target.runtime.describe()["weights"] == "gguf-int4"
+    return target
+
+
+def test_the_int4_forward_computes_the_files_model(tmp_path):
+    model, path = _tiny(tmp_path)
+    reference = TargetModel(make_model("llama", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64),
+                            make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
+    reference.model.load_state_dict(model.state_dict())
+    target = _int4_target(model, path)
+    prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
+    logits = []
+    for t in (reference, target):
+        cache = t.new_cache()
+        t.prefill(cache, prompt)
+        logits.append(t.forward_tree(cache, tree).logits)
+    # bfloat16 activations and scales against float32: close, and the same choices
+    error = (logits[0] - logits[1]).abs().mean() / logits[0].abs().mean()
+    assert error < 0.1, error
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_int4_verification_of_a_chain_equals_plain_steps_bit_for_bit(tmp_path):
+    target = _int4_target(*_tiny(tmp_path))
+    prompt = [3, 14, 15, 9, 26, 5, 35]
+    chain = [8, 9, 7, 9, 3, 2, 38, 4, 6, 26, 1, 17, 40]
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    tree_logits = target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    for node, token in enumerate([prompt[-1], *chain]):
+        past = cache.get_seq_length()
+        step = target.forward_tree(cache, build_tree(token, [])).logits[0]
+        target.keep_path(cache, past, [0])
+        assert torch.equal(step, tree_logits[node]), f"node {node}"
+
+
+def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):
+    target = _int4_target(*_tiny(tmp_path))
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    accepted = 0
+    for prompt in ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]):
+        prompt = prompt + plain.generate(prompt, config).token_ids[:12]  # the model's own words, for the drafters
+        reference = plain.generate(prompt, config).token_ids
+        for method in ("pld", "hd", "sd:draft=self:1,k=4", "hsddw:first=pld,middle=self:1"):
+            result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
+            assert result.token_ids == reference, method
+            accepted += result.stats.accepted_drafts
+    assert accepted > 0
+
+
+def test_unsupported_blocks_fall_back_to_dequantized_weights_or_fail_clearly_when_int4_is_asked(tmp_path):
+    model, path = _tiny(tmp_path, plain=("blk.1.ffn_down.weight",))
+    weights, reason = q.read_gguf_weights(path, model.config)
+    assert weights is None and "blk.1.ffn_down.weight is stored as F32" in reason
+    target = TargetModel(model, make_tokenizer(VOCAB), "tiny", RuntimeConfig(gguf=str(path)))
+    assert target.runtime.kind in ("packed", "eager")
+    with pytest.raises(InputError, match="int4 runtime is unavailable.*F32"):
+        TargetModel(model, make_tokenizer(VOCAB), "tiny", RuntimeConfig(kind="int4", gguf=str(path)))
+    with pytest.raises(InputError, match="not loaded from a GGUF file"):
+        TargetModel(model, make_tokenizer(VOCAB), "tiny", RuntimeConfig(kind="int4"))
+
+
+def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebuilt(tmp_path, caplog):
+    model, path = _tiny(tmp_path)
+    cache_dir = tmp_path / "converted"
+    cache_dir.mkdir()
+    first, _ = q.load_gguf_weights(path, model.config, cache_dir)
+    cache = cache_dir / q.CACHE_FILE
+    assert cache.is_file()
+    second, _ = q.load_gguf_weights(path, model.config, cache_dir)
+    for name in first:
+        for a, b in zip(first[name], second[name]):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+    cache.write_bytes(b"\x00" * 64)
+    third, _ = q.load_gguf_weights(path, model.config, cache_dir)
+    assert "rebuilding the damaged int4 weight cache" in caplog.text
+    assert torch.equal(third["lm_head"][0].codes, first["lm_head"][0].codes)
+    assert q._read_cache(cache)  # rewritten whole
+    assert not list(cache_dir.glob("*.tmp"))
