@@ -256,3 +256,21 @@ def test_bfloat16_on_a_cpu_without_native_support_is_called_out_once(monkeypatch
     warnings = [r.message for r in caplog.records if "no native bfloat16" in r.message]
     assert len(warnings) == 1 and "--dtype float32" in warnings[0]
     runtime_module._warn_emulated_bfloat16.cache_clear()
+
+
+@pytest.mark.parametrize("kv_heads,groups,dim,context", [(3, 3, 64, 300), (2, 2, 16, 60)])
+def test_a_query_rows_attention_does_not_depend_on_the_rows_beside_it(kv_heads, groups, dim, context):
+    """CPU attention computes blocks of fewer than 4 query rows differently; ``tree_attention`` pads them away."""
+    from hierspec.runtime.attention import tree_attention
+
+    torch.manual_seed(0)
+    width, rows = context + 84, 70
+    keys, values = torch.randn(1, kv_heads, width, dim), torch.randn(1, kv_heads, width, dim)
+    queries = torch.randn(1, kv_heads * groups, rows, dim)
+    visible = torch.arange(width)[None, :] <= context + torch.arange(rows)[:, None]
+    mask = visible[None, None].repeat(1, 1, groups, 1)
+    full, _ = tree_attention(None, queries, keys, values, mask, scaling=dim ** -0.5)
+    for count in range(1, rows + 1):
+        part, _ = tree_attention(None, queries[:, :, :count], keys, values,
+                                 visible[:count][None, None].repeat(1, 1, groups, 1), scaling=dim ** -0.5)
+        assert torch.equal(part, full[:, :count]), count

@@ -17,10 +17,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 NAME = "hierspec_tree"
 
 
-#: on the CPU, SDPA computes fewer query rows than this (per key/value head, grouped heads folded in) on another
-#: path whose results differ in the last bit from the same rows computed among more; fewer are padded up to it, so
-#: a row's attention does not depend on how many rows share the forward
-MIN_QUERY_ROWS = 4
+#: on the CPU, SDPA computes a block of fewer than 4 query rows (per key/value head, grouped heads folded in; the
+#: last block of 32, 64 or 256 rows included) on another path whose results differ in the last bit from the same
+#: rows computed among more; query rows are padded to a multiple of 4, so a row's attention does not depend on how
+#: many rows share the forward
+QUERY_ROW_MULTIPLE = 4
 
 
 def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -44,8 +45,8 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     if attention_mask is None and q_len > 1 and not causal:
         attention_mask = _causal_rows(q_len, key.shape[2], groups, query.device)
     rows = query.shape[2]
-    if attention_mask is not None and rows < MIN_QUERY_ROWS and query.device.type == "cpu":
-        query, attention_mask = _pad_queries(query, attention_mask, MIN_QUERY_ROWS)
+    if attention_mask is not None and rows % QUERY_ROW_MULTIPLE and query.device.type == "cpu":
+        query, attention_mask = _pad_queries(query, attention_mask, -(-rows // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal)
     out = out[:, :, :rows].reshape(batch, heads, q_len, value.shape[-1])
