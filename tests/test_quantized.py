@@ -16,7 +16,7 @@ from hierspec.runtime import RuntimeConfig
 from hierspec.runtime import quantized as q
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
-from tiny import make_model, make_tokenizer
+from tiny import assert_chain_equals_steps, make_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(q.kernel_reason() is not None, reason=str(q.kernel_reason()))
 
@@ -128,16 +128,7 @@ def test_int4_verification_of_a_chain_equals_plain_steps_bit_for_bit(tmp_path):
     target = _int4_target(*_tiny(tmp_path))
     prompt = [3, 14, 15, 9, 26, 5, 35]
     chain = [8, 9, 7, 9, 3, 2, 38, 4, 6, 26, 1, 17, 40]
-    cache = target.new_cache()
-    target.prefill(cache, prompt[:-1])
-    tree_logits = target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits
-    cache = target.new_cache()
-    target.prefill(cache, prompt[:-1])
-    for node, token in enumerate([prompt[-1], *chain]):
-        past = cache.get_seq_length()
-        step = target.forward_tree(cache, build_tree(token, [])).logits[0]
-        target.keep_path(cache, past, [0])
-        assert torch.equal(step, tree_logits[node]), f"node {node}"
+    assert_chain_equals_steps(target, prompt, chain)
 
 
 def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):

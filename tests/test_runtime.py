@@ -16,9 +16,9 @@ from hierspec.runtime.fusion import find_shared_inputs
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import TreeCache
 from hierspec.target import TargetModel
-from hierspec.tree import build_tree, root_only
+from hierspec.tree import build_tree
 from drafters_for_tests import ScriptedDrafter
-from tiny import make_model, make_target, make_tokenizer
+from tiny import assert_chain_equals_steps, make_model, make_target, make_tokenizer
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
 
@@ -213,16 +213,7 @@ def test_packed_runtime_chain_verification_equals_plain_steps_bit_for_bit(dtype)
     assert target.runtime.kind == "packed"
     prompt = [3, 14, 15, 9, 26, 5, 35]
     chain = [8, 9, 7, 9, 3, 2, 38, 4, 6, 26]
-    cache = target.new_cache()
-    target.prefill(cache, prompt[:-1])
-    tree_logits = target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits
-    cache = target.new_cache()
-    target.prefill(cache, prompt[:-1])
-    for node, token in enumerate([prompt[-1], *chain]):
-        past = cache.get_seq_length()
-        step = target.forward_tree(cache, root_only(token)).logits[0]
-        target.keep_path(cache, past, [0])
-        assert torch.equal(step, tree_logits[node]), f"node {node}"
+    assert_chain_equals_steps(target, prompt, chain)
 
 
 @needs_onednn

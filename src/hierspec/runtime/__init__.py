@@ -58,8 +58,9 @@ class RuntimeConfig:
     Attributes:
         kind: ``"auto"`` (CUDA graphs on CUDA; on CPU the ``gguf`` file's quantized weights where it names one and
             its blocks are supported, else prepacked oneDNN linears in float32/bfloat16 where they work; else
-            eager), ``"int4"`` (the ``gguf`` file's weights, an error where that path cannot run), ``"packed"`` (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static
-            KV cache with tree forwards replayed from CUDA graphs; on the CPU the same static path runs uncaptured)
+            eager), ``"int4"`` (the ``gguf`` file's weights, an error where that path cannot run), ``"packed"``
+            (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static KV cache with tree forwards
+            replayed from CUDA graphs; on the CPU the same static path runs uncaptured)
             or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
         buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed,
             :data:`GRAPH_BUCKETS` with graphs, no padding otherwise.

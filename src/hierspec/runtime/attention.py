@@ -46,21 +46,20 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         attention_mask = _causal_rows(q_len, key.shape[2], groups, query.device)
     rows = query.shape[2]
     if attention_mask is not None and rows % QUERY_ROW_MULTIPLE and query.device.type == "cpu":
-        query, attention_mask = _pad_queries(query, attention_mask, -(-rows // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE)
+        query, attention_mask = _pad_queries(query, attention_mask, QUERY_ROW_MULTIPLE)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal)
     out = out[:, :, :rows].reshape(batch, heads, q_len, value.shape[-1])
     return out.transpose(1, 2).contiguous(), None
 
 
-def _pad_queries(query: torch.Tensor, mask: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries and mask padded with zero rows that attend every key, to ``rows`` rows (outputs to be dropped)."""
-    extra = rows - query.shape[2]
+def _pad_queries(query: torch.Tensor, mask: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and mask padded to a multiple of ``multiple`` rows with zero queries that attend every key (their
+    outputs are dropped)."""
+    extra = -query.shape[2] % multiple
     query = torch.cat((query, query.new_zeros(*query.shape[:2], extra, query.shape[3])), dim=2)
-    mask = mask.expand(query.shape[0], *mask.shape[1:]) if mask.shape[0] != query.shape[0] else mask
-    filler = torch.ones(*mask.shape[:2], extra, mask.shape[3], dtype=mask.dtype, device=mask.device)
-    if mask.dtype != torch.bool:
-        filler = torch.zeros_like(filler)
+    # True attends in a boolean mask, 0 in an additive one
+    filler = mask.new_full((*mask.shape[:2], extra, mask.shape[3]), mask.dtype == torch.bool)
     return query, torch.cat((mask, filler), dim=2)
 
 

@@ -95,7 +95,6 @@ class LlamaFamilyDecoder:
         self.eps = float(inner.norm.variance_epsilon)
         self.embedding = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.quantized = quantized is not None
         names = {module: name for name, module in model.named_modules()}
 
         def projection(*linears: nn.Module) -> Projection | Int4Projection:

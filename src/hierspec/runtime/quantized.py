@@ -212,12 +212,10 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
             tensors[f"{module}/{i}/zeros"] = weight.zeros.contiguous()
     meta = {"magic": CACHE_MAGIC, "version": str(CACHE_VERSION),
             "modules": json.dumps({module: len(passes) for module, passes in weights.items()})}
-    handle, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp") \
-        if cache.parent.is_dir() else (None, None)
-    if tmp is None:
-        return
-    os.close(handle)
+    tmp = None
     try:
+        handle, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
+        os.close(handle)
         save_file(tensors, tmp, metadata=meta)
         os.chmod(tmp, 0o644)
         os.replace(tmp, cache)
@@ -225,7 +223,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
 
 
