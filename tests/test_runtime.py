@@ -265,3 +265,32 @@ def test_a_query_rows_attention_does_not_depend_on_the_rows_beside_it(kv_heads, 
         part, _ = tree_attention(None, queries[:, :, :count], keys, values,
                                  visible[:count][None, None].repeat(1, 1, groups, 1), scaling=dim ** -0.5)
         assert torch.equal(part, full[:, :count]), count
+
+
+@pytest.mark.parametrize("kv_heads,groups,dim", [(3, 3, 64), (2, 7, 64), (1, 1, 32)])
+def test_a_chain_rows_attention_does_not_depend_on_the_masked_keys_after_it(kv_heads, groups, dim):
+    """A token verified at depth ``j`` of a chain of ``n`` rows on top of ``past`` entries sees the same keys as
+    the same token decoded alone on top of ``past + j``; only the masked slots after it differ (other tree nodes,
+    stale entries). With key views in whole :data:`KEY_BLOCK` blocks, its attention is bit-identical (PyTorch's CPU
+    flash kernel splits a partial last block's products by that block's width: this fails if the block changes)."""
+    from hierspec.runtime.attention import KEY_BLOCK, tree_attention
+
+    torch.manual_seed(0)
+    size = 3 * KEY_BLOCK
+    keys, values = torch.randn(1, kv_heads, size, dim), torch.randn(1, kv_heads, size, dim)
+
+    def attend(query: torch.Tensor, past: int, rows: int, depth: int) -> torch.Tensor:
+        width = -(-(past + rows) // KEY_BLOCK) * KEY_BLOCK
+        visible = torch.arange(width)[None, :] <= past + torch.arange(rows)[:, None]
+        queries = torch.randn(1, kv_heads * groups, rows, dim)
+        queries[:, :, depth] = query
+        out, _ = tree_attention(None, queries, keys[:, :, :width], values[:, :, :width],
+                                visible[None, None].repeat(1, 1, groups, 1), scaling=dim ** -0.5)
+        return out[:, depth]
+
+    for position in (40, 300, 505, 511, 512, 700, 1020, 1100):
+        query = torch.randn(1, kv_heads * groups, dim)
+        alone = attend(query, position, 1, 0)
+        for rows, depth in ((4, 0), (8, 3), (16, 15), (29, 7), (64, 30)):
+            if depth <= position:
+                assert torch.equal(attend(query, position - depth, rows, depth), alone), (position, rows, depth)

@@ -45,8 +45,9 @@ RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
 PACKED_BUCKETS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
-#: key/value views and masks of tree forwards are this many slots wide, rounded up, on the packed runtime
-PACKED_KV_ALIGN = 64
+#: key/value views and masks of tree forwards are this many slots wide, rounded up, on the packed and int4
+#: runtimes: whole key blocks of CPU attention, so that a row's attention does not depend on the tree beside it
+PACKED_KV_ALIGN = attention.KEY_BLOCK
 #: row buckets of CUDA-graph tree forwards: one graph per bucket and key width, a 1-row graph for plain decoding
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -117,7 +118,7 @@ class Runtime:
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
         default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
         self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
-        # keys attended in 64-slot widths: a row's attention then does not depend on how many rows share the forward
+        # keys attended in whole blocks of CPU attention: a row's attention then does not depend on the tree beside it
         self.align = PACKED_KV_ALIGN if self.kind in ("packed", "int4") else 1
         text_config = model.config.get_text_config(decoder=True)
         self.num_layers = int(text_config.num_hidden_layers)
@@ -195,7 +196,8 @@ class Runtime:
 
     def eager_cache(self, capacity: int | None = None) -> TreeCache:
         """A growing cache for eager forwards of any batch (batched generation), whatever the runtime's kind."""
-        return TreeCache(self.num_layers, capacity or DEFAULT_CAPACITY)
+        capacity = -(-(capacity or DEFAULT_CAPACITY) // self.align) * self.align  # aligned views never regrow
+        return TreeCache(self.num_layers, capacity)
 
     @torch.inference_mode()
     def prefill(self, cache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:

@@ -9,8 +9,9 @@ path's entries to their final slots (a copy of at most a few rows). It is a ``tr
 
 Inside :meth:`TreeCache.aligned`, a layer hands attention a view whose length is rounded up to a multiple of the
 alignment: the slots past the held entries are finite (buffers start zeroed) and the caller's mask hides them. CPU
-attention kernels compute the last, partial vector of keys differently from full ones, so without alignment a
-token's attention output would depend on how many tree nodes were verified beside it; aligned, it does not.
+attention reduces keys in blocks and splits the last, partial block's products by its width, so without alignment a
+token's attention output would depend on how many tree nodes were verified beside it; aligned to whole blocks
+(:data:`hierspec.runtime.attention.KEY_BLOCK`), masked slots add exact zeros and it does not.
 """
 
 from __future__ import annotations
