@@ -175,3 +175,12 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
     assert torch.equal(third["lm_head"][0].codes, first["lm_head"][0].codes)
     assert q._read_cache(cache)  # rewritten whole
     assert not list(cache_dir.glob("*.tmp"))
+    caplog.clear()
+    data = bytearray(cache.read_bytes())  # bytes flipped inside a tensor: still a readable safetensors file
+    data[-100:-90] = bytes(b ^ 0x5A for b in data[-100:-90])
+    cache.write_bytes(bytes(data))
+    fourth, _ = q.load_gguf_weights(path, model.config, cache_dir)
+    assert "does not match its SHA-256" in caplog.text
+    for name in first:
+        for a, b in zip(first[name], fourth[name]):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)

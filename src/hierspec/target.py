@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ class TargetModel:
     """A loaded causal LM with its tokenizer, ready for tree verification.
 
     Build it with :func:`load_model` or wrap an already loaded model with ``TargetModel(model, tokenizer)``.
+    One generation runs at a time per loaded model (:meth:`generating`): generations from several threads are
+    serialized, never interleaved.
     """
 
     def __init__(self, model, tokenizer, name: str | None = None, runtime: RuntimeConfig | None = None) -> None:
@@ -55,6 +58,8 @@ class TargetModel:
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
         self._check_cache_layout()
         self.runtime = Runtime(model, runtime)
+        self._generation = threading.Lock()
+        self._generating_thread: int | None = None
 
     # ----------------------------------------------------------------- prompts and text
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
@@ -120,6 +125,25 @@ class TargetModel:
         return int(self.model.get_output_embeddings().weight.shape[1])
 
     # ----------------------------------------------------------------- forward passes
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Hold the model for one generation.
+
+        The runtime's buffers (tree inputs, the CUDA graphs' static cache) and a decoder's drafter are shared, so
+        a second thread waits here until the first generation ends. The thread that holds the model starting
+        another generation (a stream left unfinished) gets an error instead of waiting for itself forever.
+        """
+        me = threading.get_ident()
+        if self._generating_thread == me:
+            raise HierspecError(f"{self.name} is already generating in this thread (an unfinished stream?); "
+                                "finish or close that stream first")
+        with self._generation:
+            self._generating_thread = me
+            try:
+                yield
+            finally:
+                self._generating_thread = None
+
     def new_cache(self, capacity: int | None = None) -> TreeCache:
         """An empty KV cache for this model, with room for ``capacity`` entries before its buffers grow."""
         return self.runtime.new_cache(capacity)

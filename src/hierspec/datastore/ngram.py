@@ -32,6 +32,7 @@ from hierspec.datastore.format import (
     write_array,
     write_header,
 )
+from hierspec.datastore.successors import UNKNOWN
 from hierspec.errors import InputError
 
 KIND = "model"
@@ -148,9 +149,18 @@ class NgramTable:
         return cls(directory, header, grams, counts, top_k)
 
     def verify(self) -> dict:
-        """The checks :meth:`open` does not make: counts positive, keys sorted."""
+        """The checks :meth:`open` does not make: counts positive, and a learning store's successor table whole
+        (``[vocab, k]`` int32, entries token ids or unknown)."""
         if self._counts.size and int(self._counts.min()) < 1:
             raise DatastoreError(f"{self.directory}: a gram has count 0; rebuild the datastore")
+        entry = self.header.get("arrays", {}).get("successors")
+        if entry is not None:
+            successors = open_array(self.directory, entry, ("<i4",), ndim=2)
+            vocab = int(self.header.get("vocab_size", 0))
+            if successors.shape[0] != vocab or successors.size and (
+                    int(successors.min()) < UNKNOWN or int(successors.max()) >= vocab):
+                raise DatastoreError(f"{self.directory}: the successor table holds entries outside the vocabulary "
+                                     f"of {vocab} tokens; delete the store's successors file or rebuild the store")
         return {"grams": len(self), "keys": len(self._slices), "ok": True}
 
     def grams_and_counts(self) -> tuple[np.ndarray, np.ndarray]:

@@ -203,6 +203,11 @@ class SuffixStore:
                                      f"token dtype {tokens.dtype}; the header is corrupt")
         if sum(t.shape[0] for t, _ in shards) != total:
             raise DatastoreError(f"{directory}: num_tokens {total} differs from the shards' lengths; rebuild")
+        for index, (tokens, sa) in enumerate(shards):
+            fault = bounds_fault(tokens, sa, vocab_size, separator)
+            if fault:
+                raise DatastoreError(f"{directory}: shard {index}: {fault}; the store is damaged, rebuild it "
+                                     "(`hierspec datastore info --verify` checks it whole)")
         return cls(directory, header, shards, vocab_size, separator)
 
     def verify(self) -> dict:
@@ -254,3 +259,22 @@ class SuffixStore:
         size = sum(f.stat().st_size for f in self.directory.iterdir() if f.is_file())
         return {**self.header, "bytes_on_disk": size,
                 "bytes_per_token": size / self.num_tokens if self.num_tokens else 0.0}
+
+
+#: elements per vectorized pass of :func:`bounds_fault` (bounded temporary memory)
+_BOUNDS_CHUNK = 1 << 24
+
+
+def bounds_fault(tokens: np.ndarray, sa: np.ndarray, vocab_size: int, separator: int) -> str | None:
+    """The checks cheap enough for every open (one vectorized pass over each array): every suffix array entry a
+    position of the shard, every token id in the vocabulary or the separator. Order is left to ``--verify``."""
+    n = sa.shape[0]
+    for start in range(0, n, _BOUNDS_CHUNK):
+        part = sa[start : start + _BOUNDS_CHUNK]
+        if part.size and (int(part.min()) < 0 or int(part.max()) >= n):
+            return "the suffix array points outside its tokens"
+        words = tokens[start : start + _BOUNDS_CHUNK]
+        # the separator is the dtype's largest value, above the vocabulary: every id >= vocab_size must be it
+        if np.count_nonzero(words >= vocab_size) != np.count_nonzero(words == separator):
+            return f"a token id lies outside the vocabulary of {vocab_size}"
+    return None

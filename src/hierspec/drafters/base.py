@@ -55,6 +55,11 @@ class Drafter(ABC):
         """The drafter's own counters for the generation that just ended (empty by default)."""
         return {}
 
+    def problems(self) -> list[str]:
+        """Conditions that degrade this drafter without failing generations (a learning store that cannot be
+        written…), one line each; the server's ``/health`` reports them. None by default."""
+        return []
+
     def describe(self) -> dict:
         """Settings and data sources, recorded with benchmark results."""
         config = getattr(self, "config", None)

@@ -280,6 +280,9 @@ class HierarchyDrafter(Drafter):
         """Names of the databases this drafter reads, in access order."""
         return [name for name, _ in self.databases]
 
+    def problems(self) -> list[str]:
+        return [self.learning.problem] if self.learning is not None and self.learning.problem else []
+
     def describe(self) -> dict:
         stores = {name: str(db.directory) for name, db in self.databases if hasattr(db, "directory")}
         return {**super().describe(), "databases": self.sources, "stores": stores}

@@ -32,6 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hierspec import checksums
+
 log = logging.getLogger(__name__)
 
 #: elements per scale/offset group, GGUF's block size for Q4_0, Q4_1 and Q8_0
@@ -167,15 +169,19 @@ def load_gguf_weights(path: str | Path, config, cache_dir: str | Path | None = N
                       ) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
     """:func:`read_gguf_weights`, through a cache file in ``cache_dir`` (the directory of the file's converted
     weights): reading a GGUF file's metadata takes seconds (its tokenizer's strings), the cache a fraction of that.
-    A cache that cannot be read is rebuilt; one that cannot be written is skipped with a log line."""
+    A cache that does not match its checksum or cannot be read is rebuilt; one that cannot be written is skipped
+    with a log line."""
     cache = None if cache_dir is None else Path(cache_dir) / CACHE_FILE
     if cache is not None and cache.is_file():
         from safetensors import SafetensorError
 
         try:
-            return _read_cache(cache), None
+            problem = checksums.damage(cache.parent, [CACHE_FILE])
+            if problem is None:
+                return _read_cache(cache), None
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
-            log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, exc)
+            problem = str(exc)
+        log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, problem)
     weights, reason = read_gguf_weights(path, config)
     if weights is not None and cache is not None:
         _write_cache(cache, weights)
@@ -219,6 +225,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
         save_file(tensors, tmp, metadata=meta)
         os.chmod(tmp, 0o644)
         os.replace(tmp, cache)
+        checksums.record(cache.parent, [CACHE_FILE])
     except OSError as exc:
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)

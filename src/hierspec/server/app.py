@@ -110,12 +110,14 @@ def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metric
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": config.model_name, "queue_length": engine.queue_length,
-                "busy": engine.busy}
+        problems = engine.decoder.drafter.problems()
+        return {"status": "degraded" if problems else "ok", "problems": problems, "model": config.model_name,
+                "queue_length": engine.queue_length, "busy": engine.busy}
 
     @app.get("/metrics")
     async def prometheus_metrics():
         metrics.queue_length.set(engine.queue_length)
+        metrics.degraded.set(len(engine.decoder.drafter.problems()))
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -33,6 +33,9 @@ class ServerMetrics:
         self.mean_accepted = Gauge("hierspec_mean_accepted_tokens",
                                    "tokens generated per target forward since start (MAT)", registry=self.registry)
         self.queue_length = Gauge("hierspec_queue_length", "requests waiting for the model", registry=self.registry)
+        self.degraded = Gauge("hierspec_degraded_conditions", "conditions degrading the server without failing "
+                              "requests (e.g. a learning store that cannot be written; see /health)",
+                              registry=self.registry)
         self.cancelled = Counter("hierspec_cancelled_generations", "generations stopped early (client gone or timeout)",
                                  registry=self.registry)
         self._tokens = 0

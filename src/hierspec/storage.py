@@ -1,0 +1,47 @@
+"""Storage faults (a full, read-only or foreign disk) told as what they are and what to do about them.
+
+Every place hierspec writes (stores, learning, caches, calibration curves) lets these errors reach the user as one
+line, or turns the feature that needs the disk off; :func:`storage_problem` words them the same everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+
+#: errno values that mean "this disk will not take the write", with what the user can do
+_ADVICE = {
+    errno.ENOSPC: "no space left on the device; free some space or choose another directory",
+    errno.EDQUOT: "disk quota exceeded; free some space or choose another directory",
+    errno.EROFS: "the file system is read-only; choose a writable directory",
+    errno.EACCES: "permission denied; choose a directory you can write to",
+    errno.EPERM: "operation not permitted; choose a directory you can write to",
+}
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a disk refusing a write (full, over quota, read-only, not permitted)."""
+    return isinstance(exc, OSError) and exc.errno in _ADVICE
+
+
+def storage_problem(exc: OSError) -> str:
+    """One line naming the path and the cause of a failed write, and what to do."""
+    advice = _ADVICE.get(exc.errno) or (exc.strerror or str(exc) or type(exc).__name__)
+    where = exc.filename if exc.filename is not None else None
+    return f"{advice} ({where})" if where else advice
+
+
+def unwritable_reason(directory: str | Path) -> str | None:
+    """``None`` when a file can be created in ``directory`` (tried, not guessed: ``os.access`` ignores
+    read-only mounts for root), else the :func:`storage_problem` line."""
+    try:
+        handle, path = tempfile.mkstemp(prefix=".hierspec-probe-", dir=directory)
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(directory)
+        return storage_problem(exc)
+    os.close(handle)
+    os.unlink(path)
+    return None
