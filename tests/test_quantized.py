@@ -124,6 +124,24 @@ def test_the_int4_forward_computes_the_files_model(tmp_path):
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
+def test_the_int4_runtime_reads_prompts_through_the_files_float32_weights(tmp_path):
+    """The prompt's keys and values are the float32 expansion's (no second copy of the weights), bit for bit."""
+    model, path = _tiny(tmp_path)
+    reference = TargetModel(make_model("llama", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64),
+                            make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
+    reference.model.load_state_dict(model.state_dict())
+    target = _int4_target(model, path)
+    assert target.runtime.prefill_decoder.lm_head.weights[0].data_ptr() == model.lm_head.weight.data_ptr()
+    prompt = [3, 14, 15, 9, 26, 5, 35, 2, 2, 7]
+    caches = []
+    for t in (reference, target):
+        cache = t.new_cache()
+        t.prefill(cache, prompt)
+        caches.append(cache)
+    for ours, theirs in zip(caches[1].layers, caches[0].layers):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
 def test_int4_verification_of_a_chain_equals_plain_steps_bit_for_bit(tmp_path):
     target = _int4_target(*_tiny(tmp_path))
     prompt = [3, 14, 15, 9, 26, 5, 35]

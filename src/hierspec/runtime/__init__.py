@@ -103,11 +103,15 @@ class Runtime:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not onednn.native_bfloat16():
             _warn_emulated_bfloat16()
         self.decoder: LlamaFamilyDecoder | None = None
+        self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.packing = None
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
             self.decoder = build_decoder(model, packed=False, quantized=quantized)
+            # prompts are read through the file's weights expanded to float32 (held anyway, no copy): on many rows
+            # the int4 kernel is compute-bound and takes twice as long (BENCHMARKS.md, "int4 prefill")
+            self.prefill_decoder = build_decoder(model, packed=False)
         elif not use_graphs and self.config.decoder == "auto":
             self.decoder = build_decoder(model, packed=packable)
         if packable and self.decoder is None:
@@ -241,9 +245,10 @@ class Runtime:
         past, count = cache.get_seq_length(), input_ids.shape[-1]
         positions = torch.arange(past, past + count, device=self.device)
         mask = torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
+        decoder = self.prefill_decoder or self.decoder
         with cache.aligned(1):
-            _, hidden = self.decoder.forward(input_ids, positions[None], mask[None, None], cache,
-                                             slice(count - 1, count), want_hidden)
+            _, hidden = decoder.forward(input_ids, positions[None], mask[None, None], cache,
+                                        slice(count - 1, count), want_hidden)
         return hidden[-1] if want_hidden else None
 
     @contextlib.contextmanager
