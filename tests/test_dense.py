@@ -286,3 +286,18 @@ def test_draft_shape_follows_greedy_or_sampling(target, corpus, flat_store):
     assert drafter._shape == (4, 3)
     drafter.prepare(SamplingConfig(), torch.Generator())
     assert drafter._shape == (3, 10)
+
+
+def test_a_store_with_values_outside_the_vocabulary_is_refused_when_opened_for_generation(target, flat_store,
+                                                                                           tmp_path):
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(flat_store.directory, damaged)
+    values_file = damaged / dense_module.VALUES_FILE
+    values = np.fromfile(values_file, dtype="<i4")
+    values[5] = VOCAB + 3
+    values.tofile(values_file)
+    DenseStore.open(damaged)  # sizes and header intact: info opens it, --verify finds it
+    with pytest.raises(DatastoreError, match="outside the vocabulary"):
+        DenseStore.open(damaged, target)

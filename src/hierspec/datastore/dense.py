@@ -242,7 +242,10 @@ class DenseStore:
         if index.ntotal != values.shape[0] or index.d != normaliser.dim:
             raise DatastoreError(f"{directory}: the index holds {index.ntotal} keys of {index.d} dims but the store "
                                  f"has {values.shape[0]} values and {normaliser.dim} PCA dims; rebuild it")
-        return cls(directory, header, normaliser, index, values)
+        store = cls(directory, header, normaliser, index, values)
+        if target is not None:  # opened for generation: the values are small, check their range now
+            store.verify(target.vocab_size)
+        return store
 
     def verify(self, vocab_size: int | None = None) -> dict:
         """Read every value: token ids in ``[0, vocab_size)`` (when given) or the padding ``-1``."""
