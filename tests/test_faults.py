@@ -380,3 +380,28 @@ def test_a_disk_error_during_a_datastore_build_is_one_error_line_and_leaves_no_t
     assert status == 2 and len(errors) == 1 and errors[0].startswith("hierspec: error: ") and "Traceback" not in err
     assert ("no space left" if code == errno.ENOSPC else "read-only") in errors[0] and str(out_root) in errors[0]
     assert list(out_root.iterdir()) == []  # no store, no temporaries, no lock
+
+
+def test_a_real_size_limit_during_a_datastore_build_is_one_error_line_and_leaves_no_temporaries(tmp_path):
+    """No injection: the build runs in a process whose file-size limit (``ulimit -f``) is exceeded by its arrays,
+    so every write is the real one (``ndarray.tofile`` reported such a failure without an errno)."""
+    import subprocess
+    import sys
+
+    from tiny import save_model_dir
+
+    model = save_model_dir(tmp_path / "tiny", vocab_size=64, seed=5, max_positions=64)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(f"w{i % 60 + 1}" for i in range(20000)) + "\n")
+    out_root = tmp_path / "stores"
+    out_root.mkdir()
+    script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (30000, 30000)); from hierspec.cli import main; "
+              "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", script, "datastore", "build", "--kind", "suffix", "--tokenizer",
+                           str(model), "--input", str(corpus), "--out", str(out_root / "suffix")],
+                          capture_output=True, text=True, timeout=120)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(errors) == 1 and errors[0].startswith("hierspec: error: the file grew past the size")
+    assert str(out_root) in errors[0] and list(out_root.iterdir()) == []

@@ -18,11 +18,13 @@ _ADVICE = {
     errno.EROFS: "the file system is read-only; choose a writable directory",
     errno.EACCES: "permission denied; choose a directory you can write to",
     errno.EPERM: "operation not permitted; choose a directory you can write to",
+    errno.EFBIG: "the file grew past the size this system allows (ulimit -f or the file system's limit); raise the "
+                 "limit or choose another directory",
 }
 
 
 def is_storage_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a disk refusing a write (full, over quota, read-only, not permitted)."""
+    """Whether ``exc`` is a disk refusing a write (full, over quota, read-only, not permitted, size limit)."""
     return isinstance(exc, OSError) and exc.errno in _ADVICE
 
 
@@ -39,8 +41,7 @@ def unwritable_reason(directory: str | Path) -> str | None:
     try:
         handle, path = tempfile.mkstemp(prefix=".hierspec-probe-", dir=directory)
     except OSError as exc:
-        if exc.filename is None:
-            exc.filename = str(directory)
+        exc.filename = str(directory)  # the directory, not the probe's random name
         return storage_problem(exc)
     os.close(handle)
     os.unlink(path)

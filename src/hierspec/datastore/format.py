@@ -62,10 +62,17 @@ def new_header(kind: str, tokenizer_name: str, fingerprint: str, **fields) -> di
 def write_array(directory: Path, name: str, array: np.ndarray) -> dict:
     """Write an array as raw bytes; return its header entry (file, dtype, shape)."""
     array = np.ascontiguousarray(array)
-    with open(directory / name, "wb") as handle:
-        array.tofile(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    path = directory / name
+    try:
+        with open(path, "wb") as handle:
+            # not ndarray.tofile: on a full disk it raises an OSError without errno ("N requested and M written")
+            handle.write(memoryview(array.reshape(-1)).cast("B"))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)  # the one line the user sees names the file
+        raise
     return {"file": name, "dtype": array.dtype.str, "shape": list(array.shape)}
 
 
