@@ -405,3 +405,31 @@ def test_a_real_size_limit_during_a_datastore_build_is_one_error_line_and_leaves
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(errors) == 1 and errors[0].startswith("hierspec: error: the file grew past the size")
     assert str(out_root) in errors[0] and list(out_root.iterdir()) == []
+
+
+def test_a_full_disk_while_converting_a_gguf_file_is_an_os_error_and_leaves_no_temporaries(tmp_path, monkeypatch):
+    """safetensors reports a failed write as its own error type; the conversion turns it into the OSError the
+    command line prints as one line, and removes its temporary directory."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from hierspec import loading
+    from hierspec.storage import is_storage_error
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    import transformers
+
+    from tiny import make_model, make_tokenizer
+
+    # the GGUF reading itself is transformers' (seconds); a tiny model stands for what it returns
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: make_model("llama", vocab_size=64, dtype=torch.float32))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: make_tokenizer(64))
+    monkeypatch.setattr(safetensors.torch, "save_model", full_disk)
+    out = tmp_path / "cache" / "gguf" / "converted"
+    with pytest.raises(OSError) as caught:
+        loading.convert_gguf(tmp_path / "model.gguf", out)
+    assert is_storage_error(caught.value) and caught.value.errno == errno.ENOSPC
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []

@@ -24,6 +24,7 @@ from hierspec import checksums
 from hierspec.checksums import file_sha256
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
+from hierspec.storage import as_os_error
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,14 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
         tokenizer.save_pretrained(tmp)
         checksums.record(tmp, [p.name for p in tmp.iterdir() if p.is_file()])
         os.replace(tmp, out_dir)
-    except OSError:
+    except (OSError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not out_dir.is_dir():  # another process may have won the race: that is fine
-            raise
+        if out_dir.is_dir():  # another process may have won the race: that is fine
+            return
+        error = as_os_error(exc, out_dir.parent)
+        if error is None:
+            raise ModelLoadError(f"cannot write the converted weights of {gguf} to {out_dir.parent}: {exc}") from exc
+        raise error from exc
 
 
 def gguf_source(config: ModelConfig) -> Path | None:

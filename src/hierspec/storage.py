@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -46,3 +47,15 @@ def unwritable_reason(directory: str | Path) -> str | None:
     os.close(handle)
     os.unlink(path)
     return None
+
+
+def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
+    """``exc`` as an ``OSError`` naming ``path`` when it reports one: safetensors (Rust) raises its own error type
+    with the system's ``(os error N)`` in the message, which would otherwise escape as a traceback."""
+    if isinstance(exc, OSError):
+        return exc
+    found = re.search(r"os error (\d+)", str(exc))
+    if found is None:
+        return None
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(path))

@@ -223,7 +223,8 @@ class DenseStore:
         arrays = header_dict(header, "arrays", directory)
         mean, std, components = (np.array(open_array(directory, arrays.get(k), ("<f4",), ndim=n))
                                  for k, n in (("mean", 1), ("std", 1), ("components", 2)))
-        if not (mean.shape == std.shape == components.shape[:1]) or not np.isfinite(components).all():
+        if not (mean.shape == std.shape == components.shape[:1]) or not all(
+                np.isfinite(a).all() for a in (mean, std, components)):
             raise DatastoreError(f"{directory}: the normalisation arrays disagree in shape or are not finite; "
                                  "rebuild the store")
         normaliser = KeyNormaliser(mean, std, components)

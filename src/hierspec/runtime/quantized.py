@@ -208,6 +208,7 @@ def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
 
 
 def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {}
@@ -226,7 +227,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
         os.chmod(tmp, 0o644)
         os.replace(tmp, cache)
         checksums.record(cache.parent, [CACHE_FILE])
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error type
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)
     finally:
