@@ -106,11 +106,17 @@ def _int4_target(model, path, **config):
     return target
 
 
-def test_the_int4_forward_computes_the_files_model(tmp_path):
-    model, path = _tiny(tmp_path)
+def _float32_copy(model) -> TargetModel:
+    """The file's model expanded to float32, run by the eager runtime (its own unpacked forward)."""
     reference = TargetModel(make_model("llama", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64),
                             make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
     reference.model.load_state_dict(model.state_dict())
+    return reference
+
+
+def test_the_int4_forward_computes_the_files_model(tmp_path):
+    model, path = _tiny(tmp_path)
+    reference = _float32_copy(model)
     target = _int4_target(model, path)
     prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
     logits = []
@@ -127,9 +133,7 @@ def test_the_int4_forward_computes_the_files_model(tmp_path):
 def test_the_int4_runtime_reads_prompts_through_the_files_float32_weights(tmp_path):
     """The prompt's keys and values are the float32 expansion's (no second copy of the weights), bit for bit."""
     model, path = _tiny(tmp_path)
-    reference = TargetModel(make_model("llama", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64),
-                            make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
-    reference.model.load_state_dict(model.state_dict())
+    reference = _float32_copy(model)
     target = _int4_target(model, path)
     assert target.runtime.prefill_decoder.lm_head.weights[0].data_ptr() == model.lm_head.weight.data_ptr()
     prompt = [3, 14, 15, 9, 26, 5, 35, 2, 2, 7]
