@@ -128,14 +128,11 @@ def gguf_source(config: ModelConfig) -> Path | None:
 
 def materialize(config: ModelConfig) -> tuple[str, str]:
     """Return ``(loadable_path_or_id, display_name)`` for a model spec, converting GGUF files when needed."""
-    if config.spec is None:
-        gguf = default_model_path()
-        name = DEFAULT_MODEL_NAME
-    elif config.spec.lower().endswith(".gguf"):
-        gguf = Path(config.spec).expanduser()
+    gguf = gguf_source(config)
+    if gguf is not None:
         if not gguf.is_file():
             raise ModelLoadError(f"GGUF file not found: {gguf}")
-        name = gguf.name
+        name = DEFAULT_MODEL_NAME if config.spec is None else gguf.name
     else:
         local = Path(config.spec).expanduser()
         if local.exists() and not local.is_dir():

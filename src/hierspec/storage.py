@@ -32,8 +32,7 @@ def is_storage_error(exc: BaseException) -> bool:
 def storage_problem(exc: OSError) -> str:
     """One line naming the path and the cause of a failed write, and what to do."""
     advice = _ADVICE.get(exc.errno) or (exc.strerror or str(exc) or type(exc).__name__)
-    where = exc.filename if exc.filename is not None else None
-    return f"{advice} ({where})" if where else advice
+    return f"{advice} ({exc.filename})" if exc.filename else advice
 
 
 def unwritable_reason(directory: str | Path) -> str | None:

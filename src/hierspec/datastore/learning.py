@@ -31,7 +31,6 @@ from hierspec.datastore.format import (
     DatastoreError,
     check_tokenizer,
     new_header,
-    open_array,
     read_header,
     token_dtype,
     write_array,
@@ -39,7 +38,7 @@ from hierspec.datastore.format import (
 )
 from hierspec.datastore.ngram import KIND, NgramTable, count_ngrams, top_ngrams
 from hierspec.datastore.output import build_lock
-from hierspec.datastore.successors import SuccessorTable
+from hierspec.datastore.successors import SuccessorTable, stored_successors
 from hierspec.storage import storage_problem, unwritable_reason
 
 log = logging.getLogger(__name__)
@@ -86,11 +85,9 @@ class LearningStore:
         check_tokenizer(header, directory, fingerprint, tokenizer_name)
         table = NgramTable.open(directory)
         successors = SuccessorTable(vocab_size, successor_k)
-        entry = header.get("arrays", {}).get("successors")
-        if entry is not None:
-            stored = open_array(directory, entry, ("<i4",), ndim=2)
-            if stored.shape == (vocab_size, successor_k):
-                successors = SuccessorTable(vocab_size, successor_k, np.asarray(stored))
+        stored = stored_successors(directory, header)
+        if stored is not None and stored.shape == (vocab_size, successor_k):
+            successors = SuccessorTable(vocab_size, successor_k, np.asarray(stored))
         store = cls(directory, header, table, successors, max_grams)
         reason = unwritable_reason(directory)
         if reason is not None:
@@ -133,11 +130,8 @@ class LearningStore:
 
     def _merge_successors(self, header: dict) -> None:
         """Take the successor rows another writer stored since our last flush, keeping the rows we changed."""
-        entry = header.get("arrays", {}).get("successors")
-        if entry is None:
-            return
-        stored = open_array(self.directory, entry, ("<i4",), ndim=2)
-        if stored.shape != self.successors.table.shape:
+        stored = stored_successors(self.directory, header)
+        if stored is None or stored.shape != self.successors.table.shape:
             return
         ours = (self.successors.table != self._flushed_successors).any(axis=1)
         self.successors.table[~ours] = stored[~ours]
@@ -180,9 +174,17 @@ def _write_version(directory: Path, grams: np.ndarray, counts: np.ndarray, succe
              "counts": (f"ngrams-{version:06d}.counts", counts.astype(np.uint32)),
              "successors": (f"successors-{version:06d}.i32", successors.table.astype(np.int32))}
     try:
-        _write_arrays_and_header(directory, files, version, tokenizer_name, fingerprint, vocab_size, key_len,
-                                 max_grams, generations, successors.k, int(grams.shape[1]) - key_len,
-                                 int(grams.shape[0]))
+        arrays = {}
+        for key, (name, array) in files.items():
+            temporary = f".{name}.tmp"
+            entry = write_array(directory, temporary, array)
+            os.replace(directory / temporary, directory / name)
+            arrays[key] = {**entry, "file": name}
+        header = new_header(KIND, tokenizer_name, fingerprint, vocab_size=vocab_size, token_dtype=token_dtype(
+            vocab_size).name, key_len=key_len, value_len=int(grams.shape[1]) - key_len, num_grams=int(grams.shape[0]),
+            arrays=arrays, learning={"version": version, "max_grams": max_grams, "generations": generations,
+                                     "successor_k": successors.k})
+        write_header(directory, header)
     except BaseException:
         for name, _ in files.values():
             for path in (directory / f".{name}.tmp", directory / name):
@@ -191,22 +193,6 @@ def _write_version(directory: Path, grams: np.ndarray, counts: np.ndarray, succe
         with contextlib.suppress(OSError):
             (directory / f".{HEADER_FILE}.tmp").unlink(missing_ok=True)
         raise
-
-
-def _write_arrays_and_header(directory: Path, files: dict, version: int, tokenizer_name: str, fingerprint: str,
-                             vocab_size: int, key_len: int, max_grams: int, generations: int, successor_k: int,
-                             value_len: int, num_grams: int) -> None:
-    arrays = {}
-    for key, (name, array) in files.items():
-        temporary = f".{name}.tmp"
-        entry = write_array(directory, temporary, array)
-        os.replace(directory / temporary, directory / name)
-        arrays[key] = {**entry, "file": name}
-    header = new_header(KIND, tokenizer_name, fingerprint, vocab_size=vocab_size, token_dtype=token_dtype(
-        vocab_size).name, key_len=key_len, value_len=value_len, num_grams=num_grams,
-        arrays=arrays, learning={"version": version, "max_grams": max_grams, "generations": generations,
-                                 "successor_k": successor_k})
-    write_header(directory, header)
 
 
 def _remove_old_versions(directory: Path, version: int) -> None:

@@ -32,7 +32,7 @@ from hierspec.datastore.format import (
     write_array,
     write_header,
 )
-from hierspec.datastore.successors import UNKNOWN
+from hierspec.datastore.successors import UNKNOWN, stored_successors
 from hierspec.errors import InputError
 
 KIND = "model"
@@ -153,9 +153,8 @@ class NgramTable:
         (``[vocab, k]`` int32, entries token ids or unknown)."""
         if self._counts.size and int(self._counts.min()) < 1:
             raise DatastoreError(f"{self.directory}: a gram has count 0; rebuild the datastore")
-        entry = self.header.get("arrays", {}).get("successors")
-        if entry is not None:
-            successors = open_array(self.directory, entry, ("<i4",), ndim=2)
+        successors = stored_successors(self.directory, self.header)
+        if successors is not None:
             vocab = int(self.header.get("vocab_size", 0))
             if successors.shape[0] != vocab or successors.size and (
                     int(successors.min()) < UNKNOWN or int(successors.max()) >= vocab):

@@ -12,9 +12,20 @@ width 2 give the chains ``[6, 7, 5]`` (rank 0) and ``[9, 1]`` (rank 1).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
+from hierspec.datastore.format import open_array
+
 UNKNOWN = -1
+
+
+def stored_successors(directory: Path, header: dict) -> np.ndarray | None:
+    """The successor table a model store's header names (memory-mapped; dtype, rank and file size checked), or
+    ``None`` when it names none."""
+    entry = header.get("arrays", {}).get("successors")
+    return None if entry is None else open_array(directory, entry, ("<i4",), ndim=2)
 
 
 class SuccessorTable:
