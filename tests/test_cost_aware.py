@@ -54,36 +54,116 @@ def test_cut_to_depth_keeps_a_breadth_first_prefix():
 
 
 class _Chain(Drafter):
+    """Drafts the chain 1 2 3 4 (cut to the budget); each drafted token costs ``ms``; counts its proposals."""
+
     name = "chain"
 
+    def __init__(self, ms: float = 0.0) -> None:
+        self.ms = ms
+        self.budgets: list[int] = []
+        self.observed = 0
+
+    def draft_cost(self, tokens):
+        return tokens * self.ms
+
     def propose(self, context, budget):
-        return build_tree(int(context[-1]), [[1, 2, 3, 4]])
+        self.budgets.append(budget)
+        return build_tree(int(context[-1]), [[1, 2, 3, 4][:budget]])
+
+    def observe(self, verdict, context):
+        self.observed += 1
 
 
 def _verdict(tree, accepted):
     return Verdict(tree, path=tuple(range(1, accepted + 1)), bonus=0, target_argmax=np.zeros(tree.size, dtype=int))
 
 
-def test_depth_follows_observed_acceptance():
-    drafter = CostAwareDrafter(_Chain(), CPU_LIKE, explore_every=1000)
+def _run(drafter, steps, accepted=lambda tree: 0, budget=8):
+    """``steps`` proposals, each answered with ``accepted(tree)`` accepted tokens; the trees' sizes."""
     context = np.array([7])
-    for _ in range(30):  # drafts are never accepted: drafting costs 1.6x for nothing
-        tree = drafter.propose(context, 8)
-        drafter.observe(_verdict(tree, 0), context)
-    assert drafter.propose(context, 8).size == 1
-    good = CostAwareDrafter(_Chain(), CPU_LIKE, explore_every=1000)
-    for _ in range(30):  # every draft token accepted: the whole chain pays
-        tree = good.propose(context, 8)
-        good.observe(_verdict(tree, tree.size - 1), context)
-    assert good.propose(context, 8).size == 5
+    sizes = []
+    for _ in range(steps):
+        tree = drafter.propose(context, budget)
+        drafter.observe(_verdict(tree, min(accepted(tree), tree.size - 1)), context)
+        sizes.append(tree.size)
+    return sizes
 
 
-def test_budget_auto_keeps_greedy_output_identical(tmp_path):
+def test_depth_follows_observed_acceptance():
+    inner = _Chain()
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=1000, max_explore_every=1000)
+    sizes = _run(drafter, 30)  # drafts are never accepted: drafting costs 1.6x for nothing
+    assert sizes[-20:] == [1] * 20 and drafter.cut_steps + drafter.skipped_steps >= 20
+    good = CostAwareDrafter(_Chain(), CPU_LIKE.cost, explore_every=1000, max_explore_every=1000)
+    _run(good, 30, accepted=lambda tree: tree.size - 1)  # every draft token accepted: the whole chain pays
+    assert good.propose(np.array([7]), 8).size == 5
+
+
+def test_a_drafter_that_cannot_pay_never_runs(caplog):
+    # 54 ms per drafted token against a 60 ms step: even with every token accepted, at best 1.015x (d = 8:
+    # 9 * 60 / (8 * 54 + c(9) = 102.5)), under the 1.05x floor
+    inner = _Chain(ms=54.0)
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=2)
+    with caplog.at_level("WARNING"):
+        sizes = _run(drafter, 200, accepted=lambda tree: tree.size - 1)
+    assert inner.budgets == [] and set(sizes) == {1} and drafter.skipped_steps == 200
+    assert inner.observed == 200  # it still sees every verdict (context databases, successor tables learn)
+    assert "drafting cannot pay" in caplog.text
+
+
+def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pays():
+    # 40 ms per token, curve flat at 60 ms up to 8 rows: at the prior (half accepted) one token gives 1.5 / 100
+    # tokens per ms < 1 / 60 (no draft); with every token accepted 2 / 100 > 1 / 60, and 3 / 140 more at depth 2
+    flat = CostCurve((1, 8, 64), (60.0, 60.0, 240.0), {}).cost
+    inner = _Chain(ms=40.0)
+    drafter = CostAwareDrafter(inner, flat, explore_every=4)
+    assert drafter.plan(8) == 0
+    sizes = _run(drafter, 40, accepted=lambda tree: tree.size - 1)
+    assert sizes[:3] == [1, 1, 1] and sizes[3] == 2  # skipped, then the 4th step explores one token
+    assert inner.budgets[0] == 1  # a drafter that pays per token is asked for the planned window only
+    assert drafter.plan(8) >= 2 and max(inner.budgets) <= 8 and sizes[-1] >= 3
+
+
+def test_a_draft_model_learns_no_rejection_from_a_step_it_did_not_draft(tmp_path):
+    target = make_target("llama", vocab_size=64, seed=3)
+    drafter = make_drafter("sd:draft=self:1,k=3", DrafterContext(target, cost_curve=str(_saved(tmp_path))))
+    sd, context = drafter.inner, np.array([5, 6, 7])
+    tree = sd.propose(context, 3)
+    sd.observe(_verdict(tree, 0), context)
+    assert len(sd.threshold.rejected) == 1
+    skipped = drafter.propose(context, 0)  # no budget: nothing drafted, the wrapper still passes the verdict on
+    drafter.observe(_verdict(skipped, 0), context)
+    assert skipped.size == 1 and len(sd.threshold.rejected) == 1
+
+
+def _saved(tmp_path):
+    path = tmp_path / "curve.json"
+    save_curve(CPU_LIKE, path)
+    return path
+
+
+def test_exploration_backs_off_while_it_finds_nothing():
+    flat = CostCurve((1, 8, 64), (60.0, 60.0, 240.0), {}).cost
+    inner = _Chain(ms=40.0)
+    drafter = CostAwareDrafter(inner, flat, explore_every=8, max_explore_every=128)
+    sizes = _run(drafter, 1000)
+    explored = [step + 1 for step, size in enumerate(sizes) if size > 1]
+    # the interval doubles after each fruitless exploration: 8, 16, 32, 64, then 128 at most
+    assert explored == [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896]
+    assert inner.budgets == [1] * len(explored)
+
+
+def test_cost_aware_drafting_is_the_default_and_keeps_greedy_output_identical(tmp_path):
     target = make_target("llama", vocab_size=64, seed=3)
     path = tmp_path / "curve.json"
     save_curve(CPU_LIKE, path)
-    drafter = make_drafter("pld:min_ngram=1,budget=auto", DrafterContext(target, cost_curve=str(path)))
+    context = DrafterContext(target, cost_curve=str(path))
+    drafter = make_drafter("pld:min_ngram=1", context)
     assert isinstance(drafter, CostAwareDrafter)
+    assert isinstance(make_drafter("pld:min_ngram=1,budget=auto", context), CostAwareDrafter)
+    assert not isinstance(make_drafter("pld:min_ngram=1,budget=off", context), CostAwareDrafter)
+    assert not isinstance(make_drafter("hd", context), CostAwareDrafter)  # its scored tree sizes itself
+    assert isinstance(make_drafter("hd:budget=auto", context), CostAwareDrafter)
     rng = np.random.default_rng(5)
     config = GenerationConfig(max_new_tokens=40)
     for _ in range(4):
@@ -91,10 +171,24 @@ def test_budget_auto_keeps_greedy_output_identical(tmp_path):
         prompt = motif * 3 + motif[:2]
         reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config)
         assert SpeculativeDecoder(target, drafter).generate(prompt, config).token_ids == reference.token_ids
-    with pytest.raises(InputError, match="only value is auto"):
-        make_drafter("pld:budget=7", DrafterContext(target, cost_curve=str(path)))
+    with pytest.raises(InputError, match="use auto .* or off"):
+        make_drafter("pld:budget=7", context)
     with pytest.raises(InputError, match="hierspec calibrate"):
         make_drafter("pld:budget=auto", DrafterContext(target, cost_curve=str(tmp_path / "none.json")))
+
+
+def test_a_draft_models_cost_comes_from_its_own_measured_curve(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = make_target("llama", vocab_size=64, seed=3, max_positions=256)
+    drafter = make_drafter("sd:draft=self:1", DrafterContext(target))
+    assert isinstance(drafter, CostAwareDrafter)
+    from hierspec import calibration
+
+    assert not calibration.default_curve_path(drafter.inner.lm.model).is_file()  # measured when first needed
+    three = drafter.draft_cost(3)
+    assert calibration.default_curve_path(drafter.inner.lm.model).is_file()
+    step = calibration.verification_cost(drafter.inner.lm.model, measure=False)(1)
+    assert three == pytest.approx(3 * step) and step > 0
 
 
 def test_a_missing_curve_is_measured_once_and_saved(tmp_path, monkeypatch):

@@ -23,8 +23,9 @@ from tiny import make_model, make_tokenizer, save_model_dir
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 VOCAB = 64
-METHODS = ("pld", "sd:draft=self:2,k=4", "sd:draft=self:2,k=4,self_verify=true", "hsddw:first=pld,middle=self:3",
-           "hsddw:first=sd,middle=self:3")
+# budget=off: every method drafts as its paper does, so the paths under test run (cost-aware drafting may skip them)
+METHODS = ("pld:budget=off", "sd:draft=self:2,k=4,budget=off", "sd:draft=self:2,k=4,self_verify=true,budget=off",
+           "hsddw:first=pld,middle=self:3,budget=off", "hsddw:first=sd,middle=self:3,budget=off")
 
 
 def _pair(seed: int = 3) -> tuple[TargetModel, TargetModel]:
@@ -159,7 +160,7 @@ def test_graphed_drafting_equals_graphed_plain_decoding_in_low_precision(dtype):
     for prompt in _prompts(5, seed=6):
         prompt = prompt + plain.generate(prompt, config).token_ids[:10]
         reference = plain.generate(prompt, config).token_ids
-        for method in ("pld", "hd", "sd:draft=self:2,k=4"):
+        for method in ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off"):
             result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts

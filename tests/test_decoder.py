@@ -88,7 +88,7 @@ def test_every_method_on_the_owned_forward_equals_plain_decoding():
         motif = rng.integers(1, VOCAB, size=5).tolist()
         prompt = motif * 3 + motif[:2]
         reference = plain.generate(prompt, config).token_ids
-        for method in ("pld", "hd", "sd:draft=self:2,k=4"):
+        for method in ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off"):
             result = SpeculativeDecoder(owned, make_drafter(method, owned)).generate(prompt, config)
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts

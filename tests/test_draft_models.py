@@ -180,7 +180,7 @@ def test_sd_with_a_separate_draft_model_reproduces_plain_decoding(target, small,
 
 
 def test_sd_self_drafting_reproduces_plain_decoding_and_gets_drafts_accepted(target):
-    drafter = make_drafter("sd:draft=self:3,k=4", DrafterContext(target))
+    drafter = make_drafter("sd:draft=self:3,k=4,budget=off", DrafterContext(target))
     assert _check_identity(target, drafter, _prompts(6, seed=2)) > 0
 
 
@@ -194,7 +194,7 @@ def test_hsddw_reproduces_plain_decoding(target, small):
 
 
 def test_retrieval_first_hsddw_reproduces_plain_decoding(target):
-    drafter = make_drafter("hsddw:first=pld,middle=self:3,tau=3", DrafterContext(target))
+    drafter = make_drafter("hsddw:first=pld,middle=self:3,tau=3,budget=off", DrafterContext(target))
     rng = np.random.default_rng(5)
     prompts = []
     for _ in range(5):
@@ -205,16 +205,16 @@ def test_retrieval_first_hsddw_reproduces_plain_decoding(target):
 
 
 def test_sd_methods_parse_their_options(target):
-    drafter = make_drafter("sd:draft=self:2,k=6,self_verify=true,tau=0.5", DrafterContext(target))
+    drafter = make_drafter("sd:draft=self:2,k=6,self_verify=true,tau=0.5,budget=off", DrafterContext(target))
     assert drafter.config == DraftModelConfig(k=6, self_verify=True, tau=0.5)
     assert drafter.lm.model.model.config.num_hidden_layers == 2
-    cli = make_drafter("sd", DrafterContext(target, draft_model="self:1"))
+    cli = make_drafter("sd", DrafterContext(target, draft_model="self:1")).inner  # cost-aware by default
     assert cli.lm.model.model.config.num_hidden_layers == 1
     with pytest.raises(InputError, match="self:K"):
         make_drafter("sd:draft=self:x", DrafterContext(target))
-    assert make_drafter("sd:draft=self:0.5", DrafterContext(target)).lm.model.model.config.num_hidden_layers == 2
-    assert isinstance(make_drafter("hsddw", DrafterContext(target, draft_model="self:1")).first, DraftModelDrafter)
-    assert isinstance(make_drafter("hsddw", DrafterContext(target)).first, PromptLookupDrafter)
+    assert make_drafter("sd:draft=self:0.5,budget=off", DrafterContext(target)).lm.model.model.config.num_hidden_layers == 2
+    assert isinstance(make_drafter("hsddw", DrafterContext(target, draft_model="self:1")).inner.first, DraftModelDrafter)
+    assert isinstance(make_drafter("hsddw", DrafterContext(target)).inner.first, PromptLookupDrafter)
     with pytest.raises(InputError, match="first drafter"):
         make_drafter("hsddw:first=ar", DrafterContext(target))
     assert root_only(1).num_drafted == 0

@@ -23,7 +23,8 @@ from hierspec.tree import build_tree
 from tiny import make_model, make_tokenizer
 
 VOCAB = 64
-METHODS = ("pld", "hd", "sd:draft=self:2,k=4", "hsddw:first=pld,middle=self:3")
+# budget=off: the drafts are verified whatever they cost (cost-aware drafting may skip them on a tiny model)
+METHODS = ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off", "hsddw:first=pld,middle=self:3,budget=off")
 
 
 def _targets(arch: str, seed: int = 3) -> tuple[TargetModel, TargetModel]:
@@ -113,7 +114,7 @@ def test_seeded_sampling_on_the_static_path_gives_the_eager_tokens():
     eager, static = _targets("llama", seed=11)
     config = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=0.8, top_p=0.95, seed=5))
     for prompt in _prompts(3, seed=4):
-        for method in ("ar", "pld", "sd:draft=self:2,k=3"):
+        for method in ("ar", "pld:budget=off", "sd:draft=self:2,k=3,budget=off"):
             runs = [SpeculativeDecoder(t, make_drafter(method, t)).generate(prompt, config).token_ids
                     for t in (eager, static)]
             assert runs[0] == runs[1], method

@@ -161,7 +161,8 @@ def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):
     for prompt in ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]):
         prompt = prompt + plain.generate(prompt, config).token_ids[:12]  # the model's own words, for the drafters
         reference = plain.generate(prompt, config).token_ids
-        for method in ("pld", "hd", "sd:draft=self:1,k=4", "hsddw:first=pld,middle=self:1"):
+        for method in ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off",
+                       "hsddw:first=pld,middle=self:1,budget=off"):
             result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts

@@ -35,8 +35,9 @@ def test_a_drafter_registered_elsewhere_is_built_by_name_with_typed_options():
         lambda options, written, context: ToyDrafter(options, context.target))
     try:
         target = make_target("llama", vocab_size=32)
-        drafter = make_drafter("toy:depth=5,greedy=yes", target)
+        drafter = make_drafter("toy:depth=5,greedy=yes", target).inner  # drafting cost-aware by default
         assert isinstance(drafter, ToyDrafter) and drafter.target is target
+        assert isinstance(make_drafter("toy:budget=off", target), ToyDrafter)
         assert drafter.options == ToyOptions(depth=5, greedy=True)
         assert MethodSpec.parse("toy").label == "toy"
         with pytest.raises(InputError, match="no option 'width'"):

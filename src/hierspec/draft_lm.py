@@ -11,7 +11,7 @@ final norm and LM head, sharing the target's weights (no copy, no training).
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,10 +75,22 @@ def check_same_tokenizer(draft: TargetModel, target: TargetModel) -> None:
 class DraftLM:
     """A model run incrementally over a growing, sometimes rolled back, context."""
 
-    def __init__(self, model: TargetModel, vocab_size: int | None = None) -> None:
+    def __init__(self, model: TargetModel, vocab_size: int | None = None,
+                 step_cost: Callable[[int], float] | None = None) -> None:
+        """``step_cost``: milliseconds of one of this model's forwards over ``rows`` tokens (its cost curve), which
+        cost-aware drafting weighs against the target's; ``None``: unknown, taken as free."""
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size
+        self._step_cost = step_cost
+        self._step_ms: float | None = None
         self.reset()
+
+    @property
+    def step_ms(self) -> float:
+        """Milliseconds of one one-token forward (read from the cost curve once; 0 when unknown)."""
+        if self._step_ms is None:
+            self._step_ms = float(self._step_cost(1)) if self._step_cost is not None else 0.0
+        return self._step_ms
 
     def reset(self) -> None:
         """Forget everything (start of a generation)."""

@@ -62,11 +62,15 @@ class DrafterContext:
         from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model
         from hierspec.target import load_model
 
+        from hierspec.calibration import verification_cost
+
         if spec.startswith(SELF_PREFIX):
-            return DraftLM(self_drafting_model(self.target, self_layers(spec, self.target)), self.target.vocab_size)
-        draft = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
-        check_same_tokenizer(draft, self.target)
-        return DraftLM(draft, self.target.vocab_size)
+            draft = self_drafting_model(self.target, self_layers(spec, self.target))
+        else:
+            draft = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
+            check_same_tokenizer(draft, self.target)
+        # the draft's own cost curve (measured once per machine when missing), read when cost-aware drafting asks
+        return DraftLM(draft, self.target.vocab_size, step_cost=lambda rows: verification_cost(draft)(rows))
 
     def datastore(self, kind: str, method: str) -> str:
         """The first given datastore of ``kind``, or a clear error naming the option to add."""
@@ -135,9 +139,9 @@ def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel
     This is the one way hierspec turns a method name into a drafter: the command line (``generate``, ``demo``,
     ``serve``), the Python API, the benchmark and the store builder all call it. ``context`` is a
     :class:`DrafterContext` (the target plus datastores and draft-model choices) or just the loaded target. The
-    methods themselves are registered by their drafter modules (:mod:`hierspec.drafters.registry`). Every method
-    takes ``budget=auto``: its trees are trimmed by :class:`~hierspec.drafters.cost_aware.CostAwareDrafter` with the
-    cost curve ``hierspec calibrate`` measured.
+    methods themselves are registered by their drafter modules (:mod:`hierspec.drafters.registry`). Methods that do
+    not size their own trees draft cost-aware by default (:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`,
+    on this machine's cost curves; ``budget=off`` turns it off, ``budget=auto`` turns it on for any method).
 
     Raises:
         InputError: for an unknown method or option, a context without a loaded model, or a missing store.

@@ -39,6 +39,11 @@ class Drafter(ABC):
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         """Draft a tree rooted at ``context[-1]`` with at most ``budget`` draft tokens (root excluded)."""
 
+    def draft_cost(self, tokens: int) -> float:
+        """Milliseconds this drafter spends to draft a chain of ``tokens`` tokens beyond its bookkeeping: the draft
+        models' forwards (from their measured cost curves). Retrieval is taken as free (0, the default)."""
+        return 0.0
+
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
 
@@ -75,7 +80,7 @@ class NoDrafter(Drafter):
         return root_only(int(context[-1]))
 
 
-@register("ar", summary="plain decoding: no draft, one token per forward")
+@register("ar", summary="plain decoding: no draft, one token per forward", sizes_itself=True)
 def build_plain(options, written: dict[str, str], context) -> Drafter:
     """``ar``: the empty draft."""
     return NoDrafter()

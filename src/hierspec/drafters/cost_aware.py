@@ -1,17 +1,29 @@
-"""Cost-aware drafting: trim any drafter's tree to the depth that maximises expected tokens per millisecond.
+"""Cost-aware drafting: draft only as deep as it pays, down to not drafting at all.
 
 The decoder's gain from a draft is the tokens it adds per unit of time. With the target's measured cost curve
-``c(K)`` (:mod:`hierspec.calibration`) and, for every depth ``d``, the running rate ``r(d)`` at which steps whose
-tree reached depth ``d`` accepted at least ``d`` draft tokens, a tree cut at depth ``D`` is expected to add
-``1 + Σ_{d≤D} r(d)`` tokens for ``c(1 + nodes up to depth D)`` ms. :class:`CostAwareDrafter` keeps the depth with
-the best ratio — possibly 0, no draft at all, when drafting would cost more than it returns. Rates start from a
-prior of one success in two trials, and every ``explore_every``-th step drafts in full so the rates keep learning.
-Cutting a tree never changes the output: any tree is verified losslessly.
+``c(K)`` (:mod:`hierspec.calibration`), the drafter's own cost ``δ(D)`` of drafting ``D`` tokens (the draft model's
+forwards; nothing for retrieval) and, for every depth ``d``, the running rate ``r(d)`` at which steps whose tree
+reached depth ``d`` accepted at least ``d`` draft tokens, a draft of depth ``D`` is expected to add
+``1 + Σ_{d≤D} r(d)`` tokens for ``δ(D) + c(nodes up to D)`` ms. :class:`CostAwareDrafter`, the default wrapper of
+every method that does not size its own trees:
+
+* plans the depth before drafting (tree widths estimated from the trees seen so far) and does not call the drafter
+  at all when the plan is 0 — a draft model that cannot pay never runs;
+* cuts the proposed tree to the depth with the most expected tokens per millisecond (drafting is spent by then);
+* explores one level deeper than planned every ``explore_every``-th step, backing off (the interval doubles up to
+  ``max_explore_every``) while exploring finds nothing, so the rates keep learning at a bounded cost;
+* never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if every draft token
+  were accepted (a self-draft of 90 % of the target's layers on a CPU, say), and says so once.
+
+Rates start from a prior of one success in two trials and decay (:data:`DECAY` per step) so that they follow the
+text. Decisions read only the curves and the verdicts, never a clock, so a seeded sampled generation is
+reproducible. Cutting or skipping a draft never changes the output: any tree is verified losslessly.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import logging
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,34 +31,55 @@ import torch
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
-from hierspec.tree import DraftTree
+from hierspec.tree import DraftTree, root_only
 
-
-class CostModel(Protocol):
-    """What cost-aware drafting reads of a measured cost curve (:class:`hierspec.calibration.CostCurve` is one):
-    milliseconds of a verification forward of ``tokens`` tree tokens, and what the curve was measured on."""
-
-    identity: dict
-
-    def cost(self, tokens: int) -> float: ...
-
+log = logging.getLogger(__name__)
 
 _PRIOR_HITS, _PRIOR_TRIALS = 1.0, 2.0
+#: weight of the prior "a chain that reaches every depth asked" in the tree-shape estimates
+_PRIOR_SHAPE = 1.0
+#: deepest depth whose acceptance rate is tracked
+MAX_DEPTH = 64
+#: each step multiplies the acceptance counts by this: the rates follow roughly the last few hundred steps
+DECAY = 0.995
+#: a drafter whose best case (every draft token accepted) gains less than this over plain decoding never drafts
+MIN_CEILING = 1.05
 
 
 class CostAwareDrafter(Drafter):
-    """Wraps a drafter; trims its trees by depth with the cost curve and the observed acceptance per depth."""
+    """Wraps a drafter; plans, skips and cuts its drafts with the cost curves and the observed acceptance.
 
-    def __init__(self, inner: Drafter, curve: CostModel, explore_every: int = 8) -> None:
+    Args:
+        inner: the drafter wrapped.
+        cost: milliseconds of a verification forward of ``rows`` tree nodes (root included).
+        explore_every: steps between explorations one level deeper than planned.
+        max_explore_every: the longest interval the back-off reaches while explorations find nothing.
+    """
+
+    def __init__(self, inner: Drafter, cost: Callable[[int], float], explore_every: int = 8,
+                 max_explore_every: int = 128) -> None:
+        if explore_every < 1 or max_explore_every < explore_every:
+            raise ValueError("explore_every must be >= 1 and <= max_explore_every")
         self.inner = inner
-        self.curve = curve
+        self.cost = cost
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         self.name = f"{inner.name}+cost"
-        self._reached = np.zeros(65)  # steps whose verified tree had depth >= d
-        self._accepted = np.zeros(65)  # of those, steps that accepted >= d draft tokens
+        self._reached = np.zeros(MAX_DEPTH + 1)  # steps whose verified tree had depth >= d
+        self._accepted = np.zeros(MAX_DEPTH + 1)  # of those, steps that accepted >= d draft tokens
+        # decayed counts over proposals: asked to draft at least d deep, trees reaching depth d, nodes at depth d
+        self._asked = np.zeros(MAX_DEPTH + 1)
+        self._deep = np.zeros(MAX_DEPTH + 1)
+        self._nodes = np.zeros(MAX_DEPTH + 1)
+        self._interval = explore_every
+        self._next_explore = explore_every
         self._steps = 0
         self._depth = 0
+        self._exploring = False
+        self._proposed = False
+        self._ceiling: float | None = None
         self.cut_steps = 0
+        self.skipped_steps = 0
 
     @property
     def verifier_topk(self) -> int:
@@ -63,45 +96,116 @@ class CostAwareDrafter(Drafter):
         self.inner.prepare(sampling, generator)
 
     def begin(self, prompt: np.ndarray) -> None:
+        self.cut_steps = self.skipped_steps = 0
         self.inner.begin(prompt)
 
+    def draft_cost(self, tokens: int) -> float:
+        return self.inner.draft_cost(tokens)
+
+    # ----------------------------------------------------------------- the plan
+    def rates(self, deepest: int) -> np.ndarray:
+        """Estimated chance of accepting at least ``d`` draft tokens given a draft that deep, ``d = 1..deepest``;
+        never higher at a depth than at the one above it (a depth rarely drafted keeps its prior otherwise)."""
+        rates = (self._accepted[1 : deepest + 1] + _PRIOR_HITS) / (self._reached[1 : deepest + 1] + _PRIOR_TRIALS)
+        return np.minimum.accumulate(rates)
+
+    def shape(self, deepest: int) -> tuple[np.ndarray, np.ndarray]:
+        """For depths ``1..deepest``: the chance that a draft asked to go that deep reaches it, and its expected
+        nodes there — from the drafter's trees so far (a chain that always reaches, before any)."""
+        asked = self._asked[1 : deepest + 1] + _PRIOR_SHAPE
+        return ((self._deep[1 : deepest + 1] + _PRIOR_SHAPE) / asked,
+                (self._nodes[1 : deepest + 1] + _PRIOR_SHAPE) / asked)
+
+    def plan(self, budget: int) -> int:
+        """The depth to draft to before drafting: the most expected tokens per millisecond, drafting included
+        (0: plain decoding pays best)."""
+        deepest = min(budget, MAX_DEPTH)
+        if deepest <= 0 or not self.can_pay(deepest):
+            return 0
+        reach, width = self.shape(deepest)
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach * self.rates(deepest))])
+        nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
+        per_ms = [expected[d] / (self.draft_cost(d) + self.cost(max(1, round(nodes[d])))) for d in range(deepest + 1)]
+        return int(np.argmax(per_ms))
+
+    def can_pay(self, deepest: int) -> bool:
+        """Whether drafting could beat plain decoding by :data:`MIN_CEILING` if every draft token of a chain were
+        accepted (computed once; drafting costs do not change within a process)."""
+        if self._ceiling is None:
+            plain = self.cost(1)
+            self._ceiling = max((1 + d) * plain / (self.draft_cost(d) + self.cost(1 + d))
+                                for d in range(1, deepest + 1))
+            if self._ceiling < MIN_CEILING:
+                log.warning("%s: drafting cannot pay on this machine (%.1f ms per drafted token against %.1f ms per "
+                            "target step; at best %.2fx with every draft accepted): decoding without drafts",
+                            self.inner.name, self.draft_cost(1), plain, self._ceiling)
+        return self._ceiling >= MIN_CEILING
+
+    def best_depth(self, tree: DraftTree) -> int:
+        """The cut depth of a proposed tree with the most expected tokens per millisecond of verification."""
+        deepest = min(int(tree.depths.max()), MAX_DEPTH)
+        nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(self.rates(deepest))])
+        per_ms = [expected[d] / self.cost(int(nodes_up_to[d])) for d in range(deepest + 1)]
+        return int(np.argmax(per_ms))
+
+    # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
-        tree = self.inner.propose(context, budget)
         self._steps += 1
-        if tree.size == 1 or self._steps % self.explore_every == 0:
-            self._depth = int(tree.depths.max())
-            return tree
-        depth = self.best_depth(tree)
+        planned = self.plan(budget)
+        self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
+        if self._exploring:
+            planned = min(planned + 1, budget)
+            self._next_explore = self._steps + self._interval
+        self._proposed = planned > 0
+        if not self._proposed:
+            self.skipped_steps += 1
+            self._depth = 0
+            return root_only(int(context[-1]))
+        # a drafter that pays per drafted token drafts only what is planned; retrieval returns what it finds
+        asked = planned if self.draft_cost(1) > 0 else budget
+        tree = self.inner.propose(context, asked)
+        self._learn_shape(tree, asked)
+        depth = planned if self._exploring else self.best_depth(tree)
         if depth < int(tree.depths.max()):
             self.cut_steps += 1
             tree = cut_to_depth(tree, depth)
-        self._depth = depth
+        self._depth = int(tree.depths.max())
         return tree
 
-    def best_depth(self, tree: DraftTree) -> int:
-        """The cut depth with the most expected tokens per millisecond."""
-        deepest = min(int(tree.depths.max()), self._reached.shape[0] - 1)
-        nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
-        rates = (self._accepted[1 : deepest + 1] + _PRIOR_HITS) / (self._reached[1 : deepest + 1] + _PRIOR_TRIALS)
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(rates)])
-        per_ms = [expected[d] / self.curve.cost(int(nodes_up_to[d])) for d in range(deepest + 1)]
-        return int(np.argmax(per_ms))
+    def _learn_shape(self, tree: DraftTree, asked: int) -> None:
+        depth = min(int(tree.depths.max()), MAX_DEPTH)
+        for counts in (self._asked, self._deep, self._nodes):
+            counts *= DECAY
+        self._asked[1 : min(asked, MAX_DEPTH) + 1] += 1
+        self._deep[1 : depth + 1] += 1
+        self._nodes += np.bincount(np.minimum(tree.depths, MAX_DEPTH), minlength=MAX_DEPTH + 1)
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
-        depth = min(self._depth, self._reached.shape[0] - 1)
+        self.inner.observe(verdict, context)  # the context grew, and the target's verdict on the root is news too
+        if not self._proposed:
+            return
+        depth = min(self._depth, MAX_DEPTH)
         accepted = min(len(verdict.path), depth)
+        self._reached *= DECAY
+        self._accepted *= DECAY
         self._reached[1 : depth + 1] += 1
         self._accepted[1 : accepted + 1] += 1
-        self.inner.observe(verdict, context)
+        if self._exploring:
+            found = 0 < depth <= accepted
+            self._interval = self.explore_every if found else min(2 * self._interval, self.max_explore_every)
 
     def finish(self, context: np.ndarray) -> None:
         self.inner.finish(context)
 
     def report(self) -> dict:
-        return {**self.inner.report(), "cost_cut_steps": self.cut_steps}
+        return {**self.inner.report(), "cost_cut_steps": self.cut_steps, "cost_skipped_steps": self.skipped_steps}
+
+    def problems(self) -> list[str]:
+        return self.inner.problems()
 
     def describe(self) -> dict:
-        return {**self.inner.describe(), "cost_aware": True, "cost_curve": self.curve.identity}
+        return {**self.inner.describe(), "cost_aware": True, "draft_ms_per_token": round(self.draft_cost(1), 3)}
 
 
 def cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:

@@ -143,10 +143,14 @@ class DraftModelDrafter(Drafter):
         stacked = None if dists[0] is None else torch.stack(dists)
         return chain(int(context[-1]), tokens, [DRAFT_SOURCE] * len(tokens), stacked)
 
+    def draft_cost(self, tokens: int) -> float:
+        return tokens * self.lm.step_ms
+
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         accepted = len(verdict.path)
         if accepted < len(self._entropies):  # the token at position `accepted` was rejected
             self.threshold.record_rejection(self._entropies[accepted])
+        self._entropies = []  # they belong to this step's draft (a step with no draft of ours learns nothing)
 
     def report(self) -> dict:
         return {"windows": list(self.windows), "tau": self.threshold.value, "draft_forwards": self.lm.forwards}

@@ -412,7 +412,7 @@ class HierarchyDrafter(Drafter):
 
 
 @register("hd", HierarchyConfig, summary="Hierarchy Drafting: context, model, statistics, successor (and dense) "
-                                         "databases; the default")
+                                         "databases; the default", sizes_itself=True)
 def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) -> HierarchyDrafter:
     """``hd``: the databases its ``order`` names — the context database always, the model, suffix and dense stores
     given with ``--datastore`` or found at the default place, the successor table (kept in the learning store with

@@ -141,6 +141,11 @@ class HSDDWDrafter(Drafter):
         stacked = None if self._sampling.greedy else torch.stack(dists)
         return chain(int(context[-1]), tokens, sources, stacked)
 
+    def draft_cost(self, tokens: int) -> float:
+        """At most one middle-model round per block token (fewer when the first drafter's tokens pass), plus what
+        the first drafter spends."""
+        return tokens * self.middle.step_ms + self.first.draft_cost(tokens)
+
     def _pre_verify(self, context: np.ndarray, proposal: DraftTree) -> tuple[Verdict, torch.Tensor]:
         """M2 verifies M1's proposal with the target's rules; returns its verdict and its logits per node."""
         logits = self.middle.score_tree(context, proposal).to(torch.float64)
@@ -152,6 +157,7 @@ class HSDDWDrafter(Drafter):
         accepted = len(verdict.path)
         if accepted < len(self._entropies):
             self.threshold.record_rejection(self._entropies[accepted])
+        self._entropies = []  # they belong to this step's block (a step with no block of ours learns nothing)
 
     def finish(self, context: np.ndarray) -> None:
         self.first.finish(context)
@@ -197,7 +203,7 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
         first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
                                   DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
     elif first_name in FIRST_DRAFTERS:
-        first = build_drafter(first_name, context)
+        first = build_drafter(first_name, context, cost_aware=False)  # the middle model sizes the blocks
     else:
         raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
                          f"{first_name!r}")

@@ -3,8 +3,10 @@
 A method is written ``name:key=value,key=value`` (``pld:max_ngram=4,draft_len=8``). The module that implements a
 drafter declares it with :func:`register` — the name, a dataclass of its options (their defaults and types) and a
 builder — so a new drafter is a new file in this package: :func:`methods` imports every module here once and
-collects what they registered. Every method also takes ``budget=auto`` (cost-aware drafting, added by
-:func:`build_drafter`).
+collects what they registered. Every method also takes ``budget=auto|off``: cost-aware drafting
+(:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`, added by :func:`build_drafter`) is on by default for every
+method that does not size its own trees (those register with ``sizes_itself=True``: ``hd``'s scored tree, ``ar``);
+``budget=off`` drafts as the method's paper does, ``budget=auto`` also wraps a method that sizes itself.
 
 Builders get a :class:`BuildContext`: the loaded target, datastore look-ups, draft models and cost curves. The
 object passed in is :class:`hierspec.methods.DrafterContext`; this module only names what builders may ask of it,
@@ -53,25 +55,27 @@ class BuildContext(Protocol):
 class Method:
     """A registered method: its name, its options' dataclass (``None``: no options) and its builder, called as
     ``build(options, written, context)`` with the parsed options, the ``key=value`` pairs as written, and the
-    :class:`BuildContext`."""
+    :class:`BuildContext`; ``sizes_itself``: its drafts are already sized on the cost curve (no cost-aware wrapper
+    by default)."""
 
     name: str
     options: type | None
     build: Callable[[Any, dict[str, str], BuildContext], Drafter]
     summary: str = ""
+    sizes_itself: bool = False
 
 
 _REGISTERED: dict[str, Method] = {}
 _LOADED = False
 
 
-def register(name: str, options: type | None = None, summary: str = ""):
+def register(name: str, options: type | None = None, summary: str = "", sizes_itself: bool = False):
     """Decorator for a builder ``(options, written, context) -> Drafter`` of method ``name``."""
 
     def wrap(build: Callable[[Any, dict[str, str], BuildContext], Drafter]):
         if name in _REGISTERED and _REGISTERED[name].build is not build:
             raise ValueError(f"method {name!r} is registered twice")
-        _REGISTERED[name] = Method(name, options, build, summary)
+        _REGISTERED[name] = Method(name, options, build, summary, sizes_itself)
         return build
 
     return wrap
@@ -136,21 +140,29 @@ def options_from(config_type: type | None, written: dict[str, str], method: str)
     return config_type(**values)
 
 
-def build_drafter(method: str | MethodSpec, context: BuildContext) -> Drafter:
-    """The drafter of a method given as text or a parsed :class:`MethodSpec`; ``budget=auto`` wraps it in
-    :class:`~hierspec.drafters.cost_aware.CostAwareDrafter` with the target's cost curve."""
+#: values of every method's ``budget`` option
+BUDGETS = ("auto", "off")
+
+
+def build_drafter(method: str | MethodSpec, context: BuildContext, cost_aware: bool = True) -> Drafter:
+    """The drafter of a method given as text or a parsed :class:`MethodSpec`, wrapped in
+    :class:`~hierspec.drafters.cost_aware.CostAwareDrafter` with the target's cost curve unless the method sizes
+    itself, ``budget=off`` is written or ``cost_aware`` is false (a drafter inside another that sizes the drafts,
+    such as HSDDW's first level); ``budget=auto`` wraps any method."""
     spec = MethodSpec.parse(method) if isinstance(method, str) else method
     written = dict(spec.options)
     budget = written.pop("budget", None)
+    if budget is not None and budget not in BUDGETS:
+        raise InputError(f"budget={budget!r}: use auto (cost-aware drafting, the default) or off (the method's "
+                         "own draft sizes)")
     entry = methods()[spec.name]
     drafter = entry.build(options_from(entry.options, written, spec.name), written, context)
-    if budget is None:
+    wrap = budget == "auto" or (budget is None and cost_aware and not entry.sizes_itself)
+    if not wrap:
         return drafter
-    if budget != "auto":
-        raise InputError(f"budget={budget!r}: the only value is auto (cost-aware drafting from `hierspec calibrate`)")
     from hierspec.drafters.cost_aware import CostAwareDrafter
 
-    return CostAwareDrafter(drafter, context.load_cost_curve())
+    return CostAwareDrafter(drafter, context.verification_cost())
 
 
 def split_methods(text: str) -> list[str]:
