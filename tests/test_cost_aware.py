@@ -155,9 +155,7 @@ def test_exploration_backs_off_while_it_finds_nothing():
 
 def test_cost_aware_drafting_is_the_default_and_keeps_greedy_output_identical(tmp_path):
     target = make_target("llama", vocab_size=64, seed=3)
-    path = tmp_path / "curve.json"
-    save_curve(CPU_LIKE, path)
-    context = DrafterContext(target, cost_curve=str(path))
+    context = DrafterContext(target, cost_curve=str(_saved(tmp_path)))
     drafter = make_drafter("pld:min_ngram=1", context)
     assert isinstance(drafter, CostAwareDrafter)
     assert isinstance(make_drafter("pld:min_ngram=1,budget=auto", context), CostAwareDrafter)

@@ -11,6 +11,7 @@ final norm and LM head, sharing the target's weights (no copy, no training).
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -82,15 +83,12 @@ class DraftLM:
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size
         self._step_cost = step_cost
-        self._step_ms: float | None = None
         self.reset()
 
-    @property
+    @functools.cached_property
     def step_ms(self) -> float:
-        """Milliseconds of one one-token forward (read from the cost curve once; 0 when unknown)."""
-        if self._step_ms is None:
-            self._step_ms = float(self._step_cost(1)) if self._step_cost is not None else 0.0
-        return self._step_ms
+        """Milliseconds of one one-token forward (read from the cost curve once, when first asked; 0 when unknown)."""
+        return float(self._step_cost(1)) if self._step_cost is not None else 0.0
 
     def reset(self) -> None:
         """Forget everything (start of a generation)."""

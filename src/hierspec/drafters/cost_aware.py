@@ -22,6 +22,7 @@ reproducible. Cutting or skipping a draft never changes the output: any tree is 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -61,7 +62,8 @@ class CostAwareDrafter(Drafter):
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError("explore_every must be >= 1 and <= max_explore_every")
         self.inner = inner
-        self.cost = cost
+        # a fixed curve read at up to ~budget row counts in every step: each count is looked up once
+        self.cost = functools.lru_cache(maxsize=None)(cost)
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
         self.name = f"{inner.name}+cost"
@@ -123,10 +125,9 @@ class CostAwareDrafter(Drafter):
         if deepest <= 0 or not self.can_pay(deepest):
             return 0
         reach, width = self.shape(deepest)
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(reach * self.rates(deepest))])
         nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
-        per_ms = [expected[d] / (self.draft_cost(d) + self.cost(max(1, round(nodes[d])))) for d in range(deepest + 1)]
-        return int(np.argmax(per_ms))
+        ms = [self.draft_cost(d) + self.cost(max(1, round(nodes[d]))) for d in range(deepest + 1)]
+        return _most_per_ms(reach * self.rates(deepest), ms)
 
     def can_pay(self, deepest: int) -> bool:
         """Whether drafting could beat plain decoding by :data:`MIN_CEILING` if every draft token of a chain were
@@ -145,9 +146,7 @@ class CostAwareDrafter(Drafter):
         """The cut depth of a proposed tree with the most expected tokens per millisecond of verification."""
         deepest = min(int(tree.depths.max()), MAX_DEPTH)
         nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
-        expected = 1.0 + np.concatenate([[0.0], np.cumsum(self.rates(deepest))])
-        per_ms = [expected[d] / self.cost(int(nodes_up_to[d])) for d in range(deepest + 1)]
-        return int(np.argmax(per_ms))
+        return _most_per_ms(self.rates(deepest), [self.cost(int(n)) for n in nodes_up_to])
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -206,6 +205,12 @@ class CostAwareDrafter(Drafter):
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "cost_aware": True, "draft_ms_per_token": round(self.draft_cost(1), 3)}
+
+
+def _most_per_ms(gains: np.ndarray, ms: list[float]) -> int:
+    """The depth ``D`` (0..len(gains)) with the most expected tokens, ``1 + gains[:D].sum()``, per ``ms[D]``."""
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
+    return int(np.argmax(expected / np.asarray(ms)))
 
 
 def cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
