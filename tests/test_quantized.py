@@ -7,11 +7,12 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
+from hierspec.batching import BatchConfig, decode_batch
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
-from hierspec.methods import make_drafter
+from hierspec.methods import DrafterContext, make_drafter
 from hierspec.runtime import RuntimeConfig
 from hierspec.runtime import quantized as q
 from hierspec.target import TargetModel
@@ -166,6 +167,24 @@ def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):
             result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts
+    assert accepted > 0
+
+
+def test_every_method_batched_on_the_int4_path_equals_its_plain_decoding(tmp_path):
+    """Requests verified together (one int4 product over every request's rows) give each its tokens alone."""
+    target = _int4_target(*_tiny(tmp_path))
+    assert target.runtime.kind == "int4" and target.runtime.batches
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    prompts = [[4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6]]
+    prompts = [p + plain.generate(p, config).token_ids[:10] for p in prompts]
+    references = [plain.generate(p, config).token_ids for p in prompts]
+    context = DrafterContext(target)
+    accepted = 0
+    for method in ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off", "hsddw:first=pld,middle=self:1,budget=off"):
+        results = decode_batch(target, prompts, lambda: make_drafter(method, context), config, BatchConfig(max_batch=3))
+        assert [r.token_ids for r in results] == references, method
+        accepted += sum(r.stats.accepted_drafts for r in results)
     assert accepted > 0
 
 

@@ -61,7 +61,8 @@ def endless_target():
 
 @pytest.fixture(scope="module")
 def live(target):
-    with LiveServer(target, HierarchyDrafter()) as server:  # hd, the default: its context DB is per request
+    # hd, the default, one drafter per concurrent request (its context DB is per request); requests are batched
+    with LiveServer(target, HierarchyDrafter) as server:
         yield server
 
 
@@ -247,8 +248,10 @@ def test_per_request_state_does_not_leak(target):
 
 
 def test_bounded_load(live, target):
-    """16 concurrent clients, 4 requests each: every answer complete and well formed; prints throughput."""
+    """16 concurrent clients, 4 requests each, answered in batches: every answer complete, well formed and equal
+    to plain decoding alone; prints throughput."""
     clients, per_client, max_tokens = 16, 4, 8
+    before = dict(live.engine.scheduler.batch_sizes)
     prompts = [f"w{i % 50 + 1} w{(i * 3) % 50 + 1} w{(i * 7) % 50 + 1}" for i in range(clients * per_client)]
     expected = {p: _reference(target, target.encode_prompt(p, raw=True), max_tokens).text for p in set(prompts)}
 
@@ -269,6 +272,48 @@ def test_bounded_load(live, target):
         latencies = [t for result in pool.map(worker, range(clients)) for t in result]
     wall = time.perf_counter() - start
     assert len(latencies) == clients * per_client
+    batched = {size: count - before.get(size, 0) for size, count in live.engine.scheduler.batch_sizes.items()}
+    assert max(size for size, count in batched.items() if count) > 1, "the concurrent requests were never batched"
     p50, p99 = statistics.median(latencies), float(np.percentile(latencies, 99))
     print(f"\nload: {len(latencies)} requests from {clients} clients in {wall:.2f} s = "
           f"{len(latencies) / wall:.1f} requests/s; latency p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
+
+
+def test_streams_of_concurrent_clients_are_batched_and_equal_their_answers_alone(live, target):
+    """Eight streaming and eight plain clients at once, with different lengths, while a ninth client drops its stream
+    after the first chunk: every other answer is its plain-decoding answer alone, streamed text included, and the
+    response carries its own acceptance figures."""
+    prompts = [f"w{i + 1} w{(i * 5) % 40 + 2} w{i + 1} w{(i * 5) % 40 + 2}" for i in range(16)]
+    lengths = [6 + (i * 7) % 20 for i in range(16)]
+    expected = [_reference(target, target.encode_prompt(p, raw=True), n).text for p, n in zip(prompts, lengths)]
+
+    def one(index):
+        client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0, timeout=60)
+        if index % 2:
+            chunks = client.completions.create(model=MODEL, prompt=prompts[index], max_tokens=lengths[index],
+                                               temperature=0, stream=True)
+            return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        response = client.completions.with_raw_response.create(model=MODEL, prompt=prompts[index],
+                                                               max_tokens=lengths[index], temperature=0)
+        figures = json.loads(response.text)["hierspec"]
+        assert figures["target_forwards"] >= 1 and figures["mean_accepted_tokens"] >= 1
+        return response.parse().choices[0].text
+
+    def dropper():
+        with httpx.stream("POST", f"{live.url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "w3 w4 w5", "max_tokens": 60, "stream": True}) as reply:
+            for _ in reply.iter_lines():
+                break  # gone after the first chunk
+
+    before = dict(live.engine.scheduler.batch_sizes)
+    with concurrent.futures.ThreadPoolExecutor(17) as pool:
+        dropped = pool.submit(dropper)
+        answers = list(pool.map(one, range(16)))
+        dropped.result()
+    assert answers == expected
+    batched = {size: count - before.get(size, 0) for size, count in live.engine.scheduler.batch_sizes.items()}
+    assert max(size for size, count in batched.items() if count) >= 4
+    deadline = time.monotonic() + 10
+    while live.engine.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live.engine.running == 0, "the dropped stream's generation kept running"

@@ -158,3 +158,16 @@ def test_owned_decoder_matches_transformers_modules_on_smollm2(model):
         logits.append(target.forward_tree(cache, tree).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_batched_requests_equal_their_answers_alone(model):
+    """Five prompts answered together (prompt lookup chains and the default hd trees verified in shared forwards)
+    give each prompt exactly its answer alone."""
+    config = dict(max_new_tokens=40)
+    plain = [hierspec.generate(model, prompt, method="ar", **config) for prompt in PROMPTS]
+    for method in ("pld:budget=off", "hd"):
+        batch = hierspec.generate_batch(model, PROMPTS, method=method, max_batch=5, **config)
+        assert [r.token_ids for r in batch] == [r.token_ids for r in plain], method
+        assert [r.text for r in batch] == [r.text for r in plain]
+        if method.startswith("pld"):
+            assert sum(r.stats.accepted_drafts for r in batch) > 0

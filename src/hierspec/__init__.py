@@ -1,7 +1,8 @@
 """hierspec: lossless speculative decoding for Hugging Face causal language models."""
 
 from hierspec.accept import Verdict
-from hierspec.api import generate, make_config, stream
+from hierspec.api import generate, generate_batch, make_config, stream
+from hierspec.batching import BatchConfig, BatchScheduler
 from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import GenerationResult, GenerationStats, GenerationStream, SpeculativeDecoder
 from hierspec.drafters import Drafter, NoDrafter, PromptLookupConfig, PromptLookupDrafter
@@ -13,8 +14,8 @@ from hierspec.tree import DraftTree, build_tree
 __version__ = "0.1.0"
 
 __all__ = [
-    "DraftTree", "Drafter", "GenerationConfig", "GenerationResult", "GenerationStats", "GenerationStream",
+    "BatchConfig", "BatchScheduler", "DraftTree", "Drafter", "GenerationConfig", "GenerationResult", "GenerationStats", "GenerationStream",
     "HierspecError", "InputError", "ModelConfig", "ModelLoadError", "NoDrafter", "PromptLookupConfig",
     "PromptLookupDrafter", "SamplingConfig", "SpeculativeDecoder", "TargetModel", "Verdict", "build_tree",
-    "generate", "load_model", "make_config", "make_drafter", "stream",
+    "generate", "generate_batch", "load_model", "make_config", "make_drafter", "stream",
 ]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable, Sequence
 
+from hierspec.batching import BatchConfig, decode_batch
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecoder
 from hierspec.drafters import Drafter
@@ -14,17 +16,22 @@ from hierspec.target import TargetModel
 
 
 def _decoder(model: TargetModel, method: str | Drafter, datastores) -> SpeculativeDecoder:
+    if isinstance(method, Drafter):
+        _context(model, datastores)
+        return SpeculativeDecoder(model, method)
+    if not isinstance(method, str):
+        raise InputError(f"method must be a method name such as 'hd' or a Drafter, not {method!r}")
+    return SpeculativeDecoder(model, make_drafter(method, _context(model, datastores)))
+
+
+def _context(model: TargetModel, datastores) -> DrafterContext:
     if not isinstance(model, TargetModel):
         raise InputError(f"model must be a loaded hierspec model (hierspec.load_model()), not {type(model).__name__}")
     if isinstance(datastores, (str, os.PathLike)):
         datastores = (datastores,)  # one directory, not a sequence of characters
     if not all(isinstance(d, (str, os.PathLike)) for d in datastores):
         raise InputError("datastores must be directory paths")
-    if isinstance(method, Drafter):
-        return SpeculativeDecoder(model, method)
-    if not isinstance(method, str):
-        raise InputError(f"method must be a method name such as 'hd' or a Drafter, not {method!r}")
-    return SpeculativeDecoder(model, make_drafter(method, DrafterContext(model, tuple(map(str, datastores)))))
+    return DrafterContext(model, tuple(map(str, datastores)))
 
 
 def make_config(
@@ -88,3 +95,39 @@ def stream(
     """Like :func:`generate`, but iterate the returned stream for text deltas; ``stream.result`` is set at the end."""
     config = _config(options)
     return _decoder(model, method, datastores).stream(model.encode_prompt(prompt, raw=raw), config)
+
+
+def generate_batch(
+    model: TargetModel,
+    prompts: Sequence[str],
+    method: str | Callable[[], Drafter] = "hd",
+    raw: bool = False,
+    datastores: tuple[str, ...] | list[str] = (),
+    max_batch: int = 8,
+    max_rows: int = 64,
+    **options,
+) -> list[GenerationResult]:
+    """Generate for many prompts at once: up to ``max_batch`` verified together per forward (continuous batching,
+    :mod:`hierspec.batching`); each result is the one :func:`generate` gives that prompt alone.
+
+    Args:
+        method: a method name (each concurrent generation gets its own drafter of it, stores opened once), or a
+            function returning a new drafter.
+        max_rows: tree rows per forward, all generations together.
+        Others as for :func:`generate`.
+    """
+    config = _config(options)
+    if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+        raise InputError("prompts must be a list of strings")
+    if isinstance(method, str):
+        context = _context(model, datastores)
+        method_name = method
+        new_drafter = lambda: make_drafter(method_name, context)  # noqa: E731
+    elif callable(method) and not isinstance(method, Drafter):
+        _context(model, datastores)
+        new_drafter = method
+    else:
+        raise InputError("method must be a method name such as 'hd' or a function returning a new Drafter "
+                         "(one drafter cannot serve concurrent generations)")
+    ids = [model.encode_prompt(prompt, raw=raw) for prompt in prompts]
+    return decode_batch(model, ids, new_drafter, config, BatchConfig(max_batch=max_batch, max_rows=max_rows))

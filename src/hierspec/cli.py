@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429")
     serve.add_argument("--timeout", type=float, default=300.0, help="per-request deadline in seconds")
     serve.add_argument("--default-max-tokens", type=int, default=256)
+    serve.add_argument("--max-batch", type=int, default=8,
+                       help="requests generating together, verified in one forward per step (1: one at a time)")
+    serve.add_argument("--max-rows", type=int, default=64,
+                       help="draft-tree rows of one forward, all batched requests together")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
                        help="larger request bodies are refused with 413 (default 1048576)")
     serve.add_argument("--learn", action=argparse.BooleanOptionalAction, default=True,
@@ -315,6 +319,7 @@ def served_model_name(spec: str | None) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from hierspec.batching import BatchConfig
     from hierspec.methods import MethodSpec, make_drafter
     from hierspec.server import ServerConfig, serve
 
@@ -326,11 +331,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = _load(args)
     context = _drafter_context(args, model)
     spec = server_learning(spec, context, args.learn)
-    drafter = make_drafter(spec, context)
+    BatchConfig(max_batch=args.max_batch, max_rows=args.max_rows)  # checked before the model's drafters load
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,
                           max_queue=args.max_queue, timeout_s=args.timeout,
-                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes)
-    serve(model, drafter, config, host=args.host, port=args.port)
+                          default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+                          max_batch=args.max_batch, max_rows=args.max_rows)
+    serve(model, lambda: make_drafter(spec, context), config, host=args.host, port=args.port)
     return 0
 
 

@@ -18,8 +18,9 @@ import torch
 from hierspec.accept import Verdict, verify
 from hierspec.config import GenerationConfig
 from hierspec.drafters.base import Drafter
-from hierspec.target import TargetModel
+from hierspec.target import TargetModel, TreeOutput
 from hierspec.text import TextAssembler, make_detokenizer
+from hierspec.tree import DraftTree
 
 
 @dataclass
@@ -163,53 +164,112 @@ class SpeculativeDecoder:
             yield from self._steps(prompt_ids, config, stats)
 
     def _steps(self, prompt_ids: list[int], config: GenerationConfig, stats: GenerationStats) -> Iterator[list[int]]:
-        target, drafter = self.target, self.drafter
-        start = time.perf_counter()
-        stats.prompt_tokens = len(prompt_ids)
-        limit = min(config.max_new_tokens, target.max_context - len(prompt_ids))
-        context = _TokenBuffer(prompt_ids, capacity=len(prompt_ids) + limit + 1)
-        generator = _make_generator(config.sampling.seed)
-        eos = target.eos_token_ids if config.stop_at_eos else frozenset()
-
-        cache = target.new_cache(capacity=len(prompt_ids) + limit + config.max_draft_tokens + 1)
-        want_hidden = drafter.wants_hidden
-        hidden = target.prefill(cache, prompt_ids[:-1], want_hidden=want_hidden)
-        drafter.prepare(config.sampling, generator)
-        drafter.begin(context.view())
-        if hidden is not None:
-            drafter.observe_hidden(_as_numpy(hidden))
-        target.synchronize()
-        stats.prefill_time = time.perf_counter() - start
+        generation = Generation(self.target, self.drafter, prompt_ids, config, stats)
         try:
-            while stats.new_tokens < limit:
-                t0 = time.perf_counter()
-                budget = min(config.max_draft_tokens, target.max_context - len(context), limit - stats.new_tokens)
-                tree = drafter.propose(context.view(), max(0, budget))
-                t1 = time.perf_counter()
-                past = len(context) - 1
-                output = target.forward_tree(cache, tree, want_hidden=want_hidden)
-                verdict = verify(tree, output.logits, config.sampling, generator, drafter.verifier_topk)
-                target.keep_path(cache, past, (0, *verdict.path))
-                target.synchronize()
-                t2 = time.perf_counter()
-                new = _truncate(verdict.accepted_tokens, limit - stats.new_tokens, eos)
-                context.extend(new)
-                drafter.observe(verdict, context.view())
-                if want_hidden:
-                    last_kept = verdict.path[-1] if verdict.path else 0
-                    drafter.observe_hidden(_as_numpy(output.hidden[last_kept]))
-                stats.record_step(verdict, len(new))
-                stats.new_tokens += len(new)
-                stats.draft_time += (t1 - t0) + (time.perf_counter() - t2)
-                stats.verify_time += t2 - t1
-                stats.total_time = time.perf_counter() - start
-                yield new
-                if new[-1] in eos:
-                    return
+            generation.start()
+            while not generation.done:
+                tree = generation.propose()
+                yield generation.advance(self.target.forward_tree(generation.cache, tree, generation.wants_hidden))
         finally:
-            stats.total_time = time.perf_counter() - start
-            drafter.finish(context.view())
-            stats.drafter = drafter.report()
+            generation.close()
+
+
+class Generation:
+    """One generation's state between verification forwards: the loop of :meth:`SpeculativeDecoder.steps`, one step
+    at a time, so that a scheduler can verify many generations' trees in one batched forward
+    (:mod:`hierspec.batching`) with exactly the arithmetic of decoding each alone.
+
+    Use: :meth:`start` (prefill), then while not :attr:`done`: :meth:`propose` a tree, verify it with the target
+    (alone or batched) and hand the forward's output to :meth:`advance`; :meth:`close` at the end (also after a
+    cancellation). ``cache`` may be a reused one (it is emptied); by default the target makes a new one.
+    """
+
+    def __init__(self, target: TargetModel, drafter: Drafter, prompt_ids: Sequence[int], config: GenerationConfig,
+                 stats: GenerationStats | None = None, cache=None) -> None:
+        self.target, self.drafter, self.config = target, drafter, config
+        self.prompt_ids = list(prompt_ids)
+        self.stats = stats if stats is not None else GenerationStats()
+        self.limit = min(config.max_new_tokens, target.max_context - len(self.prompt_ids))
+        self.context = _TokenBuffer(self.prompt_ids, capacity=len(self.prompt_ids) + self.limit + 1)
+        self.generator = _make_generator(config.sampling.seed)
+        self.eos = target.eos_token_ids if config.stop_at_eos else frozenset()
+        capacity = len(self.prompt_ids) + self.limit + config.max_draft_tokens + 1
+        if cache is None:
+            cache = target.new_cache(capacity=capacity)
+        else:
+            cache.reset()
+        self.cache = cache
+        self.wants_hidden = drafter.wants_hidden
+        self.done = self.limit <= 0
+        self.tree: DraftTree | None = None
+        self._started = 0.0
+        self._drafted_at = 0.0
+        self._closed = False
+
+    def start(self) -> None:
+        """Prefill the prompt (all but its last token, the first tree's root) and ready the drafter."""
+        self._started = time.perf_counter()
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        hidden = self.target.prefill(self.cache, self.prompt_ids[:-1], want_hidden=self.wants_hidden)
+        self.drafter.prepare(self.config.sampling, self.generator)
+        self.drafter.begin(self.context.view())
+        if hidden is not None:
+            self.drafter.observe_hidden(_as_numpy(hidden))
+        self.target.synchronize()
+        self.stats.prefill_time = time.perf_counter() - self._started
+
+    @property
+    def room(self) -> int:
+        """Draft tokens the next tree may hold: the configured cap, the context left and the tokens left."""
+        return max(0, min(self.config.max_draft_tokens, self.target.max_context - len(self.context),
+                          self.limit - self.stats.new_tokens))
+
+    def propose(self, budget: int | None = None) -> DraftTree:
+        """The drafter's tree for the next step (at most ``budget`` draft tokens where given, within :attr:`room`)."""
+        t0 = time.perf_counter()
+        room = self.room if budget is None else min(self.room, max(0, budget))
+        self.tree = self.drafter.propose(self.context.view(), room)
+        self._drafted_at = time.perf_counter()
+        self.stats.draft_time += self._drafted_at - t0
+        return self.tree
+
+    @property
+    def past(self) -> int:
+        """Cache entries before the tree (the whole context but its last token, the root)."""
+        return len(self.context) - 1
+
+    def advance(self, output: TreeOutput) -> list[int]:
+        """Accept from the verification of :attr:`tree` (``output``: its logits, hidden states when wanted): keep
+        the accepted path's cache entries, let the drafter learn, and return the tokens the step added."""
+        tree, config = self.tree, self.config
+        verdict = verify(tree, output.logits, config.sampling, self.generator, self.drafter.verifier_topk)
+        self.target.keep_path(self.cache, self.past, (0, *verdict.path))
+        self.target.synchronize()
+        t2 = time.perf_counter()
+        stats = self.stats
+        new = _truncate(verdict.accepted_tokens, self.limit - stats.new_tokens, self.eos)
+        self.context.extend(new)
+        self.drafter.observe(verdict, self.context.view())
+        if self.wants_hidden:
+            last_kept = verdict.path[-1] if verdict.path else 0
+            self.drafter.observe_hidden(_as_numpy(output.hidden[last_kept]))
+        stats.record_step(verdict, len(new))
+        stats.new_tokens += len(new)
+        stats.draft_time += time.perf_counter() - t2
+        stats.verify_time += t2 - self._drafted_at
+        stats.total_time = time.perf_counter() - self._started
+        self.done = stats.new_tokens >= self.limit or new[-1] in self.eos
+        return new
+
+    def close(self) -> None:
+        """End the generation (finished, stopped or cancelled): the drafter sees the whole context once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.done = True
+        self.stats.total_time = time.perf_counter() - self._started
+        self.drafter.finish(self.context.view())
+        self.stats.drafter = self.drafter.report()
 
 
 def _truncate(tokens: list[int], room: int, eos: frozenset[int]) -> list[int]:

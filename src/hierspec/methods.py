@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
@@ -47,6 +47,15 @@ class DrafterContext:
     self_verify: bool = False
     model_config: object | None = None
     cost_curve: str | None = None
+    _opened: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any:
+        """The object ``open_it()`` made for ``key`` the first time any drafter built from this context asked: the
+        drafters of concurrent generations (batched serving) share stores, draft models and what learns across
+        generations, each opened once."""
+        if key not in self._opened:
+            self._opened[key] = open_it()
+        return self._opened[key]
 
     def load_cost_curve(self):
         """The target's verification cost curve: ``cost_curve`` if given, else this model's default location."""
@@ -64,11 +73,14 @@ class DrafterContext:
 
         from hierspec.calibration import verification_cost
 
-        if spec.startswith(SELF_PREFIX):
-            draft = self_drafting_model(self.target, self_layers(spec, self.target))
-        else:
-            draft = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
-            check_same_tokenizer(draft, self.target)
+        def load():
+            if spec.startswith(SELF_PREFIX):
+                return self_drafting_model(self.target, self_layers(spec, self.target))
+            model = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
+            check_same_tokenizer(model, self.target)
+            return model
+
+        draft = self.shared(("draft-model", spec), load)
         # the draft's own cost curve (measured once per machine when missing), read when cost-aware drafting asks
         return DraftLM(draft, self.target.vocab_size, step_cost=lambda rows: verification_cost(draft)(rows))
 
@@ -108,9 +120,10 @@ class DrafterContext:
         target = self.target
         directory = model_dir or default_store_dir(target.tokenizer_fingerprint, self.store_root) / "model"
         shape = read_header(directory) if model_dir else {}
-        return LearningStore.open(directory, target.name, target.tokenizer_fingerprint, target.vocab_size,
-                                  key_len=int(shape.get("key_len", 1)), value_len=int(shape.get("value_len", 4)),
-                                  max_grams=max_grams, successor_k=successor_k)
+        return self.shared(("learning", str(directory)), lambda: LearningStore.open(
+            directory, target.name, target.tokenizer_fingerprint, target.vocab_size,
+            key_len=int(shape.get("key_len", 1)), value_len=int(shape.get("value_len", 4)), max_grams=max_grams,
+            successor_k=successor_k))
 
     def fingerprint(self) -> tuple[str, str]:
         """The target's tokenizer fingerprint and name, which every store it reads must match."""

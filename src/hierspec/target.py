@@ -172,10 +172,22 @@ class TargetModel:
         The cache grows by the tree's padded size (:meth:`hierspec.runtime.Runtime.rows_for`) until
         :meth:`keep_path` keeps the accepted entries.
         """
-        if tree.size > 1 and (int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= self.vocab_size):
-            raise HierspecError("a draft holds token ids outside the model's vocabulary (a corrupt datastore?)")
+        self._check_tree(tree)
         logits, hidden = self.runtime.forward_tree(cache, tree, want_hidden)
         return TreeOutput(logits=logits, hidden=hidden)
+
+    def forward_trees(self, caches: Sequence[TreeCache], trees: Sequence[DraftTree],
+                      want_hidden: bool = False) -> list[TreeOutput]:
+        """Verify several sequences' trees, each on its own cache, in one forward where the runtime can
+        (:meth:`hierspec.runtime.Runtime.forward_trees`): each output equals :meth:`forward_tree` of that tree alone."""
+        for tree in trees:
+            self._check_tree(tree)
+        return [TreeOutput(logits=logits, hidden=hidden)
+                for logits, hidden in self.runtime.forward_trees(caches, trees, want_hidden)]
+
+    def _check_tree(self, tree: DraftTree) -> None:
+        if tree.size > 1 and (int(tree.tokens.min()) < 0 or int(tree.tokens.max()) >= self.vocab_size):
+            raise HierspecError("a draft holds token ids outside the model's vocabulary (a corrupt datastore?)")
 
     @staticmethod
     def keep_path(cache: TreeCache, past: int, keep: Sequence[int]) -> None:

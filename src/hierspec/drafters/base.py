@@ -44,6 +44,11 @@ class Drafter(ABC):
         models' forwards (from their measured cost curves). Retrieval is taken as free (0, the default)."""
         return 0.0
 
+    def share_forward(self, rows: int, tokens: float) -> None:
+        """Called before :meth:`propose` when other generations' trees are verified in the same forward (batched
+        serving): they hold ``rows`` rows and are expected to add ``tokens`` tokens. Drafters that size their trees
+        by cost then maximise the tokens per millisecond of the whole forward; alone, ``(0, 0)``."""
+
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
 

@@ -80,6 +80,7 @@ class CostAwareDrafter(Drafter):
         self._exploring = False
         self._proposed = False
         self._ceiling: float | None = None
+        self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
         self.cut_steps = 0
         self.skipped_steps = 0
 
@@ -104,6 +105,10 @@ class CostAwareDrafter(Drafter):
     def draft_cost(self, tokens: int) -> float:
         return self.inner.draft_cost(tokens)
 
+    def share_forward(self, rows: int, tokens: float) -> None:
+        self._shared = (int(rows), float(tokens))
+        self.inner.share_forward(rows, tokens)
+
     # ----------------------------------------------------------------- the plan
     def rates(self, deepest: int) -> np.ndarray:
         """Estimated chance of accepting at least ``d`` draft tokens given a draft that deep, ``d = 1..deepest``;
@@ -126,8 +131,9 @@ class CostAwareDrafter(Drafter):
             return 0
         reach, width = self.shape(deepest)
         nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
-        ms = [self.draft_cost(d) + self.cost(max(1, round(nodes[d]))) for d in range(deepest + 1)]
-        return _most_per_ms(reach * self.rates(deepest), ms)
+        rows, tokens = self._shared
+        ms = [self.draft_cost(d) + self.cost(rows + max(1, round(nodes[d]))) for d in range(deepest + 1)]
+        return _most_per_ms(reach * self.rates(deepest), ms, tokens)
 
     def can_pay(self, deepest: int) -> bool:
         """Whether drafting could beat plain decoding by :data:`MIN_CEILING` if every draft token of a chain were
@@ -146,7 +152,8 @@ class CostAwareDrafter(Drafter):
         """The cut depth of a proposed tree with the most expected tokens per millisecond of verification."""
         deepest = min(int(tree.depths.max()), MAX_DEPTH)
         nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
-        return _most_per_ms(self.rates(deepest), [self.cost(int(n)) for n in nodes_up_to])
+        rows, tokens = self._shared
+        return _most_per_ms(self.rates(deepest), [self.cost(rows + int(n)) for n in nodes_up_to], tokens)
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -207,9 +214,10 @@ class CostAwareDrafter(Drafter):
         return {**self.inner.describe(), "cost_aware": True, "draft_ms_per_token": round(self.draft_cost(1), 3)}
 
 
-def _most_per_ms(gains: np.ndarray, ms: list[float]) -> int:
-    """The depth ``D`` (0..len(gains)) with the most expected tokens, ``1 + gains[:D].sum()``, per ``ms[D]``."""
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
+def _most_per_ms(gains: np.ndarray, ms: list[float], shared_tokens: float = 0.0) -> int:
+    """The depth ``D`` (0..len(gains)) with the most expected tokens, ``shared_tokens + 1 + gains[:D].sum()`` (the
+    other generations' in the same forward first), per ``ms[D]``."""
+    expected = shared_tokens + 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
     return int(np.argmax(expected / np.asarray(ms)))
 
 

@@ -154,4 +154,5 @@ class DenseDrafter(Drafter):
 @register("dense", DenseConfig, summary="DReSD: dense retrieval by the target's hidden state (--datastore)")
 def build_dense(options: DenseConfig, written: dict[str, str], context) -> DenseDrafter:
     """``dense`` over the given dense store, which must belong to this very model."""
-    return DenseDrafter(DenseStore.open(context.datastore("dense", "dense"), context.target), options)
+    path = context.datastore("dense", "dense")
+    return DenseDrafter(context.shared(("dense", path), lambda: DenseStore.open(path, context.target)), options)

@@ -274,6 +274,7 @@ class HierarchyDrafter(Drafter):
         self.cost = cost or linear_cost
         self.acceptance = AcceptanceModel([name for name, _ in self.databases])
         self._scored: ScoredTree | None = None
+        self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
 
     @property
     def sources(self) -> list[str]:
@@ -300,6 +301,9 @@ class HierarchyDrafter(Drafter):
         if self.dense is not None:
             self.dense.set_query(hidden)
 
+    def share_forward(self, rows: int, tokens: float) -> None:
+        self._shared = (int(rows), float(tokens))
+
     def report(self) -> dict:
         report = self.dense.report() if self.dense is not None else {}
         if self.config.tree == "scored":
@@ -312,7 +316,8 @@ class HierarchyDrafter(Drafter):
         if budget <= 0:
             return root_only(root)
         if self.config.tree == "scored":
-            self._scored = select_tree(root, self.candidates(context), self.acceptance, self.cost, budget)
+            self._scored = select_tree(root, self.candidates(context), self.acceptance, self.cost, budget,
+                                       self._shared)
             return self._scored.tree
         sequences, sources = self.collect(context)
         return build_tree(root, sequences, sources, budget=min(budget, self.config.n * self.config.m))
@@ -425,19 +430,23 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
     dense_dir = context.optional_datastore("dense") if "d" in options.order else None
     model = statistics = dense = None
     if model_dir:
-        model = ModelDatabase(NgramTable.open(model_dir, fingerprint, name, top_k=options.top_k), options.min_count,
-                              options.m_min_share)
+        table = context.shared(("ngram", model_dir, options.top_k),
+                               lambda: NgramTable.open(model_dir, fingerprint, name, top_k=options.top_k))
+        model = ModelDatabase(table, options.min_count, options.m_min_share)
     if suffix_dir:
-        statistics = StatisticsDatabase(SuffixStore.open(suffix_dir, fingerprint, name), options.m,
-                                        n_min=options.s_n_min, k=options.s_k, min_share=options.s_min_share)
+        store = context.shared(("suffix", suffix_dir), lambda: SuffixStore.open(suffix_dir, fingerprint, name))
+        statistics = StatisticsDatabase(store, options.m, n_min=options.s_n_min, k=options.s_k,
+                                        min_share=options.s_min_share)
     if dense_dir:
-        dense = DenseRetriever(DenseStore.open(dense_dir, context.target),
+        dense = DenseRetriever(context.shared(("dense", dense_dir), lambda: DenseStore.open(dense_dir, context.target)),
                                DenseConfig(k=options.d_k, min_score=options.d_min_score))
     learning = successors = None
     if options.learn:
         learning = context.learning_store(model_dir, options.top_k, options.t_k)
     elif "t" in options.order:
-        successors = SuccessorTable(context.target.vocab_size, options.t_k)
+        # learned from every generation's verdicts; concurrent generations share one table
+        successors = context.shared(("successors", options.t_k),
+                                    lambda: SuccessorTable(context.target.vocab_size, options.t_k))
     drafter = HierarchyDrafter(options, model, statistics, dense, cost=context.verification_cost(),
                                successors=successors, learning=learning)
     log.info("hd reads %s", " > ".join(drafter.sources))

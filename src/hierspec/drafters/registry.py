@@ -48,6 +48,8 @@ class BuildContext(Protocol):
 
     def learning_store(self, model_dir: str | None, max_grams: int, successor_k: int): ...
 
+    def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any: ...
+
 
 @dataclass(frozen=True)
 class Method:

@@ -136,5 +136,7 @@ class RestDrafter(Drafter):
 def build_rest(options: RestConfig, written: dict[str, str], context) -> RestDrafter:
     """``rest:n_max=16,n_min=2,k=5000,m=10,c=64,min_share=0`` over the given suffix store."""
     fingerprint, name = context.fingerprint()
-    store = SuffixStore.open(context.datastore("suffix", "rest"), fingerprint=fingerprint, tokenizer_name=name)
+    path = context.datastore("suffix", "rest")
+    store = context.shared(("suffix", path), lambda: SuffixStore.open(path, fingerprint=fingerprint,
+                                                                     tokenizer_name=name))
     return RestDrafter(store, options)

@@ -131,11 +131,13 @@ class ScoredTree:
 
 
 def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceModel, cost: Callable[[int], float],
-                budget: int) -> ScoredTree:
+                budget: int, shared: tuple[int, float] = (0, 0.0)) -> ScoredTree:
     """The best-first subtree of the candidates' trie with the most expected tokens per unit of ``cost``.
 
     ``cost(rows)`` is the verification cost of a tree of ``rows`` nodes (root included); at most ``budget`` draft
-    nodes are kept. A node reached by several candidates keeps its best estimate.
+    nodes are kept. A node reached by several candidates keeps its best estimate. ``shared``: other generations'
+    rows and expected tokens in the same (batched) forward, so that the tree maximises the whole forward's tokens
+    per unit of cost.
     """
     trie = _Trie()
     for candidate in candidates:
@@ -149,8 +151,9 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     p = np.asarray(trie.probability)
     depth = np.asarray(trie.depth)
     order = np.lexsort((depth[1:], -p[1:]))[:budget] + 1  # p descending, shallower first: parents come first
-    gains = 1.0 + np.concatenate([[0.0], np.cumsum(p[order])])
-    keep = int(np.argmax(gains / np.array([cost(k + 1) for k in range(gains.shape[0])])))
+    rows, tokens = shared
+    gains = tokens + 1.0 + np.concatenate([[0.0], np.cumsum(p[order])])
+    keep = int(np.argmax(gains / np.array([cost(rows + k + 1) for k in range(gains.shape[0])])))
     if keep == 0:
         return _empty(root)
     chosen = sorted(order[:keep].tolist())  # node ids grow with insertion: a parent precedes its children

@@ -25,11 +25,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hierspec.errors import InputError
 from hierspec.runtime import attention, onednn
-from hierspec.runtime.decoder import LlamaFamilyDecoder, build_decoder
+from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
 from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
@@ -132,6 +133,7 @@ class Runtime:
         self.inputs = TreeInputs(self.device, groups=heads // self.kv_heads, align=self.align)
         self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
         self._static_cache: StaticTreeCache | None = None
+        self._batch_inputs: list[TreeInputs] = []  # one per sequence of a batched forward, allocated once
 
     def _quantized_weights(self) -> dict[str, list[Int4Weight]] | None:
         """The GGUF file's int4 passes when the int4 path applies (``auto`` or ``int4``), else ``None`` with the
@@ -238,6 +240,46 @@ class Runtime:
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
         return out.logits[0], hidden
+
+    @property
+    def batches(self) -> bool:
+        """Whether :meth:`forward_trees` verifies several sequences in one forward (the owned decoder on the CPU);
+        otherwise it runs one forward per sequence."""
+        return self.decoder is not None and self.graphed is None
+
+    @torch.inference_mode()
+    def forward_trees(self, caches: Sequence[TreeCache], trees: Sequence, want_hidden: bool = False) -> list:
+        """One verification forward of several sequences' trees, each on top of its own cache: ``[(logits, hidden |
+        None)]`` per tree, each equal to what :meth:`forward_tree` gives that tree alone.
+
+        Every weight product runs once over all trees' rows (the weights stream once); attention runs per tree on its
+        own cache. The trees are not padded to buckets (the products are row-invariant, and a row's attention does
+        not depend on the rows beside it); only a forward of fewer rows than the smallest bucket is padded, on its
+        last tree. Without the owned decoder (or with CUDA graphs) the trees are verified one after another.
+        """
+        if len(trees) == 1 or not self.batches:
+            return [self.forward_tree(cache, tree, want_hidden) for cache, tree in zip(caches, trees)]
+        while len(self._batch_inputs) < len(trees):
+            self._batch_inputs.append(TreeInputs(self.device, groups=self.inputs.groups, align=self.align))
+        total = sum(tree.size for tree in trees)
+        extra = max(0, min(self.buckets, default=1) - total)
+        ids, positions, segments, keep, start = [], [], [], [], 0
+        for index, (cache, tree) in enumerate(zip(caches, trees)):
+            rows = tree.size + (extra if index == len(trees) - 1 else 0)
+            tree_ids, tree_positions, mask = self._batch_inputs[index].fill(tree, cache.get_seq_length(), rows)
+            ids.append(tree_ids)
+            positions.append(tree_positions)
+            segments.append(Segment(start, start + rows, mask, cache))
+            keep.extend(range(start, start + tree.size))
+            start += rows
+        keep_index = torch.tensor(keep, device=self.device) if extra else slice(0, total)
+        with contextlib.ExitStack() as stack:
+            for cache in caches:
+                stack.enter_context(cache.aligned(self.align))
+            logits, hidden = self.decoder.forward_segments(torch.cat(ids, dim=1), torch.cat(positions, dim=1),
+                                                           segments, keep_index, want_hidden)
+        bounds = np.cumsum([0] + [tree.size for tree in trees])
+        return [(logits[a:b], None if hidden is None else hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
     def _owned_prefill(self, cache: TreeCache, input_ids: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
         """Causal forward of the prompt through the owned decoder (only its last row's outputs are computed); keys

@@ -65,6 +65,17 @@ class Projection:
         return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows ``start .. stop - 1`` in a batched forward, with its attention mask (the runtime's boolean
+    ``[1, 1, rows or groups * rows, width]``) and its own KV cache."""
+
+    start: int
+    stop: int
+    mask: torch.Tensor
+    cache: object
+
+
 @dataclass
 class _Layer:
     norm1: torch.Tensor
@@ -115,29 +126,46 @@ class LlamaFamilyDecoder:
         self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-                keep: slice, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                keep: slice | torch.Tensor, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[kept, vocab]`` of the rows ``keep`` selects (and their last hidden states, after the final
         norm): a tree's real nodes, or a prompt's last row.
 
         ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
         width]``; every layer's keys and values go into ``cache`` through its layer's ``update``.
         """
+        return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden)
+
+    def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment],
+                         keep: slice | torch.Tensor, want_hidden: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward of several sequences' rows at once: every product over all rows (the weights stream once),
+        attention per :class:`Segment` over its own cache with its own mask — the very operations each sequence's
+        own forward runs, so (the products being row-invariant) each row's result is the same as alone."""
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
-        mask = torch.zeros(mask.shape, dtype=self.embedding.dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
+        segments = [Segment(s.start, s.stop, torch.zeros(s.mask.shape, dtype=self.embedding.dtype,
+                                                          device=s.mask.device).masked_fill_(~s.mask, -torch.inf),
+                            s.cache) for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, mask, cache, rows)
+            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows)
         last = _rms_norm(hidden[keep], self.final_norm, self.eps)
         (logits,) = self.lm_head(last)
         return logits, (last if want_hidden else None)
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               mask: torch.Tensor, cache, rows: int) -> torch.Tensor:
+               segments: Sequence[Segment], rows: int) -> torch.Tensor:
         query, key, value = self._attention_inputs(layer, _rms_norm(hidden, layer.norm1, self.eps), cos, sin, rows)
-        keys, values = cache.layers[index].update(key, value)
-        attended, _ = tree_attention(None, query, keys, values, mask, scaling=self.scaling)
+        parts = []
+        for s in segments:
+            whole = len(segments) == 1
+            keys, values = s.cache.layers[index].update(key if whole else key[:, :, s.start : s.stop],
+                                                        value if whole else value[:, :, s.start : s.stop])
+            attended, _ = tree_attention(None, query if whole else query[:, :, s.start : s.stop], keys, values,
+                                         s.mask, scaling=self.scaling)
+            parts.append(attended)
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         (out,) = layer.out(attended.reshape(rows, self.heads * self.head_dim))
         hidden = hidden + out
         gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, self.eps))

@@ -41,6 +41,8 @@ class ServerConfig:
         timeout_s: per-request deadline, queueing included.
         default_max_tokens: ``max_tokens`` when a request gives none.
         max_body_bytes: larger request bodies are refused with 413 before they are read in full.
+        max_batch: requests generating together, verified in one forward per step (continuous batching).
+        max_rows: draft-tree rows of one forward, all batched requests together.
     """
 
     model_name: str
@@ -49,6 +51,8 @@ class ServerConfig:
     timeout_s: float = 300.0
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
+    max_batch: int = 8
+    max_rows: int = 64
 
 
 #: the paths the server answers; metrics label every other path "other", so made-up paths add no series
@@ -110,14 +114,15 @@ def create_app(target: TargetModel, engine: Engine, config: ServerConfig, metric
 
     @app.get("/health")
     async def health():
-        problems = engine.decoder.drafter.problems()
+        problems = engine.drafter.problems()
         return {"status": "degraded" if problems else "ok", "problems": problems, "model": config.model_name,
-                "queue_length": engine.queue_length, "busy": engine.busy}
+                "queue_length": engine.queue_length, "busy": engine.busy,
+                "running": engine.running}
 
     @app.get("/metrics")
     async def prometheus_metrics():
         metrics.queue_length.set(engine.queue_length)
-        metrics.degraded.set(len(engine.decoder.drafter.problems()))
+        metrics.degraded.set(len(engine.drafter.problems()))
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -223,6 +228,13 @@ def _usage(prompt_tokens: int, result: GenerationResult) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
+def _acceptance(result: GenerationResult) -> dict:
+    """This request's own speculation figures (an extension field; OpenAI clients ignore it)."""
+    stats = result.stats
+    return {"mean_accepted_tokens": round(stats.mean_accepted, 4), "target_forwards": stats.target_forwards,
+            "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_drafts}
+
+
 async def _respond(job: Job, request: Request, stream: bool, include_usage: bool, prompt_tokens: int, kind: str,
                    model_name: str):
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -243,7 +255,7 @@ async def _respond(job: Job, request: Request, stream: bool, include_usage: bool
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     return {"id": request_id, "object": obj, "created": created, "model": model_name, "choices": [choice],
-            "usage": _usage(prompt_tokens, result)}
+            "usage": _usage(prompt_tokens, result), "hierspec": _acceptance(result)}
 
 
 async def _collect(job: Job) -> tuple[str, GenerationResult]:
@@ -290,7 +302,7 @@ async def _sse(job: Job, request: Request, include_usage: bool, prompt_tokens: i
                 yield chunk(None, _FINISH[item.finish_reason])
                 if include_usage:
                     usage = {"id": request_id, "object": obj, "created": created, "model": model_name,
-                             "choices": [], "usage": _usage(prompt_tokens, item)}
+                             "choices": [], "usage": _usage(prompt_tokens, item), "hierspec": _acceptance(item)}
                     yield f"data: {json.dumps(usage)}\n\n"
             else:
                 error = _as_api_error(item)
