@@ -181,7 +181,8 @@ def test_every_method_batched_on_the_int4_path_equals_its_plain_decoding(tmp_pat
     references = [plain.generate(p, config).token_ids for p in prompts]
     context = DrafterContext(target)
     accepted = 0
-    for method in ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off", "hsddw:first=pld,middle=self:1,budget=off"):
+    methods = ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off", "hsddw:first=pld,middle=self:1,budget=off")
+    for method in methods:
         results = decode_batch(target, prompts, lambda: make_drafter(method, context), config, BatchConfig(max_batch=3))
         assert [r.token_ids for r in results] == references, method
         accepted += sum(r.stats.accepted_drafts for r in results)

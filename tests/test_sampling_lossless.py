@@ -1,7 +1,8 @@
 """Speculative sampling is lossless: the joint law of the first three tokens equals the target's exact law.
 
 The exact law is computed from uncached forwards of the model over every prefix; the decoder runs 20 000 times
-with fixed seeds and adversarial draft trees (most likely, least likely and random tokens, with branching). A χ²
+with fixed seeds — sixteen generations at a time through the batch scheduler, one setting one at a time — and
+adversarial draft trees (most likely, least likely and random tokens, with branching). A χ²
 goodness-of-fit test (cells with expected count < 5 pooled) must not reject at p = 0.001, and tokens the warped
 distribution excludes (top-k / top-p) must never appear.
 """
@@ -15,6 +16,7 @@ from scipy.stats import chisquare
 
 from drafters_for_tests import AdversarialDrafter
 from hierspec.accept import warp_probs
+from hierspec.batching import BatchConfig, BatchScheduler
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from tiny import make_target
@@ -25,6 +27,9 @@ RUNS = 20_000
 #: runs of the tests whose drafter runs a draft model each step (3-4x the cost per run); the power test below shows
 #: this many still detect a temperature of 0.72 instead of 0.7 every time
 MODEL_RUNS = 10_000
+#: generations sampled together (continuous batching) by the χ² tests; the plain-decoding loop keeps one test
+BATCH = 16
+CHUNK = 1000
 SETTINGS = {
     "temperature-1": SamplingConfig(temperature=1.0),
     "temperature-0.7-top-p-0.9": SamplingConfig(temperature=0.7, top_p=0.9),
@@ -65,19 +70,28 @@ def target():
     return make_target("llama", vocab_size=VOCAB, seed=12, layers=1, hidden=16, init_std=0.2)
 
 
-def sample_counts(target, drafter_factory, sampling, runs=RUNS):
+def sample_counts(target, drafter_factory, sampling, runs=RUNS, batch: int | None = BATCH):
+    """Counts of the first three tokens over ``runs`` seeded generations, and the mean target forwards per run.
+
+    ``batch`` generations run together (continuous batching, each with its own drafter from ``drafter_factory``:
+    each exactly as it runs alone, ``tests/test_batching.py``) — about 3x faster on the tiny models; ``None``: one
+    after another through one :class:`SpeculativeDecoder`."""
+    configs = [GenerationConfig(max_new_tokens=3, stop_at_eos=False, sampling=SamplingConfig(
+        sampling.temperature, sampling.top_p, sampling.top_k, seed=run)) for run in range(runs)]
+    if batch is None:
+        decoder = SpeculativeDecoder(target, drafter_factory())
+        results = [decoder.generate(PROMPT, config) for config in configs]
+    else:
+        results = []
+        for start in range(0, runs, CHUNK):  # a scheduler per chunk: requests are not all held at once
+            scheduler = BatchScheduler(target, drafter_factory, BatchConfig(max_batch=batch))
+            requests = [scheduler.submit(PROMPT, config) for config in configs[start : start + CHUNK]]
+            scheduler.run()
+            results.extend(request.result for request in requests)
     counts = np.zeros((VOCAB,) * 3)
-    decoder = SpeculativeDecoder(target, drafter_factory())
-    forwards = 0
-    for run in range(runs):
-        config = GenerationConfig(
-            max_new_tokens=3, stop_at_eos=False,
-            sampling=SamplingConfig(sampling.temperature, sampling.top_p, sampling.top_k, seed=run),
-        )
-        result = decoder.generate(PROMPT, config)
+    for result in results:
         counts[tuple(result.token_ids)] += 1
-        forwards += result.stats.target_forwards
-    return counts, forwards / runs
+    return counts, sum(result.stats.target_forwards for result in results) / runs
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -85,8 +99,10 @@ def test_tree_sampling_matches_exact_distribution(target, name):
     sampling = SETTINGS[name]
     table = exact_table(target, sampling)
     joint = exact_joint(table)
+    # one setting through the one-at-a-time loop, the others batched
     counts, forwards_per_run = sample_counts(
-        target, lambda: AdversarialDrafter(len(PROMPT), table.get, VOCAB, seed=7), sampling)
+        target, lambda: AdversarialDrafter(len(PROMPT), table.get, VOCAB, seed=7), sampling,
+        batch=None if name == "temperature-1" else BATCH)
     assert counts.sum() == RUNS
     assert counts[joint == 0].sum() == 0, "a token outside the warped support was emitted"
     assert forwards_per_run < 3.0, "the drafts were never accepted: the test would not exercise acceptance"

@@ -14,8 +14,8 @@ from hierspec.tree import DraftTree, build_tree
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchConfig", "BatchScheduler", "DraftTree", "Drafter", "GenerationConfig", "GenerationResult", "GenerationStats", "GenerationStream",
-    "HierspecError", "InputError", "ModelConfig", "ModelLoadError", "NoDrafter", "PromptLookupConfig",
-    "PromptLookupDrafter", "SamplingConfig", "SpeculativeDecoder", "TargetModel", "Verdict", "build_tree",
-    "generate", "generate_batch", "load_model", "make_config", "make_drafter", "stream",
+    "BatchConfig", "BatchScheduler", "DraftTree", "Drafter", "GenerationConfig", "GenerationResult",
+    "GenerationStats", "GenerationStream", "HierspecError", "InputError", "ModelConfig", "ModelLoadError",
+    "NoDrafter", "PromptLookupConfig", "PromptLookupDrafter", "SamplingConfig", "SpeculativeDecoder", "TargetModel",
+    "Verdict", "build_tree", "generate", "generate_batch", "load_model", "make_config", "make_drafter", "stream",
 ]

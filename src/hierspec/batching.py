@@ -296,7 +296,8 @@ class BatchScheduler:
             try:
                 generation.close()
             finally:
-                self._idle_caches.append(generation.cache)
+                if self.target.runtime.graphed is None:  # the CUDA graphs' static cache is the runtime's to resize
+                    self._idle_caches.append(generation.cache)
                 self._idle_drafters.append(generation.drafter)
 
 

@@ -47,7 +47,8 @@ def serve(target: TargetModel, drafter: Drafter | Callable[[], Drafter], config:
     described = engine.drafter.describe()
     extras = ", ".join(f"{k}: {v}" for k, v in described.items() if k not in {"name", "config"})
     print(f"hierspec: serving {config.model_name!r} with method {described.get('name')}"
-          f"{f' ({extras})' if extras else ''}; up to {engine.scheduler.max_batch} requests batched; API key {'required' if config.api_key else 'off'}", flush=True)
+          f"{f' ({extras})' if extras else ''}; up to {engine.scheduler.max_batch} requests batched; "
+          f"API key {'required' if config.api_key else 'off'}", flush=True)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
