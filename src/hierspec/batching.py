@@ -125,6 +125,7 @@ class BatchScheduler:
         self._running: list[Request] = []
         self._idle_drafters: list[Drafter] = []
         self._idle_caches: list = []
+        self._slots: list | None = None  # the batch's caches (slots of one pool), made at the first admission
         # what each running request verified and gained last step, for sizing the others' trees
         self._rows: dict[int, int] = {}
         # generations one forward can hold: the CUDA graphs' single static cache allows one
@@ -236,13 +237,24 @@ class BatchScheduler:
         request.admitted_at = time.perf_counter()
         drafter = self._idle_drafters.pop() if self._idle_drafters else self._new_drafter()
         request._drafter = drafter
-        cache = self._idle_caches.pop() if self._idle_caches else None
+        cache = self._idle_cache()
         generation = Generation(self.target, drafter, request.prompt_ids, request.config, GenerationStats(), cache)
         request._generation = generation
         target = self.target
         request._assembler = TextAssembler(make_detokenizer(target.tokenizer, target.decode), request.config.stop)
         generation.start()
         self._rows[request.id] = 1
+
+    def _idle_cache(self):
+        """A free cache, the lowest slot first (a batch's slots then stay close together), or None for a new one."""
+        if self._slots is None and self.target.runtime.graphed is None:
+            self._slots = self.target.runtime.slot_caches(self.max_batch)
+            self._idle_caches.extend(self._slots)
+        if not self._idle_caches:
+            return None
+        cache = min(self._idle_caches, key=lambda c: getattr(c, "slot", 0))
+        self._idle_caches.remove(cache)
+        return cache
 
     def _propose(self, request: Request, index: int, running: list[Request]):
         generation = request._generation

@@ -36,6 +36,7 @@ from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache
+from hierspec.runtime.slots import SlotPool
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.quantized import Int4Weight, kernel_reason, load_gguf_weights
 
@@ -49,6 +50,8 @@ PACKED_BUCKETS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
 #: key/value views and masks of tree forwards are this many slots wide, rounded up, on the packed and int4
 #: runtimes: whole key blocks of CPU attention, so that a row's attention does not depend on the tree beside it
 PACKED_KV_ALIGN = attention.KEY_BLOCK
+#: entries per slot a batch's shared cache starts with (every slot grows together past it)
+MIN_SLOT_CAPACITY = 512
 #: row buckets of CUDA-graph tree forwards: one graph per bucket and key width, a 1-row graph for plain decoding
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -204,6 +207,15 @@ class Runtime:
         """A growing cache for eager forwards of any batch (batched generation), whatever the runtime's kind."""
         capacity = -(-(capacity or DEFAULT_CAPACITY) // self.align) * self.align  # aligned views never regrow
         return TreeCache(self.num_layers, capacity)
+
+    def slot_caches(self, slots: int, capacity: int | None = None) -> list[TreeCache]:
+        """``slots`` caches for sequences verified together by :meth:`forward_trees`: with the owned decoder, slots of
+        one :class:`~hierspec.runtime.slots.SlotPool` (one attention call per layer for the whole batch); otherwise
+        independent growing caches."""
+        capacity = -(-max(capacity or 0, MIN_SLOT_CAPACITY) // self.align) * self.align
+        if not self.batches:
+            return [self.eager_cache(capacity) for _ in range(slots)]
+        return list(SlotPool(self.num_layers, slots, capacity).caches)
 
     @torch.inference_mode()
     def prefill(self, cache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:

@@ -27,6 +27,7 @@ from torch import nn
 from hierspec.runtime.attention import tree_attention
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Projection, Int4Weight
+from hierspec.runtime.slots import SlotBatch, finish_slot_batch, plan_slot_batch, slot_attention
 
 log = logging.getLogger(__name__)
 
@@ -140,23 +141,40 @@ class LlamaFamilyDecoder:
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of several sequences' rows at once: every product over all rows (the weights stream once),
         attention per :class:`Segment` over its own cache with its own mask — the very operations each sequence's
-        own forward runs, so (the products being row-invariant) each row's result is the same as alone."""
+        own forward runs, so (the products being row-invariant) each row's result is the same as alone. When every
+        cache is a slot of one :class:`~hierspec.runtime.slots.SlotPool`, each layer's attention is one call for
+        all sequences (:func:`~hierspec.runtime.slots.slot_attention`), with the same results."""
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
+        slots = self._slot_batch(segments)
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
-        segments = [Segment(s.start, s.stop, torch.zeros(s.mask.shape, dtype=self.embedding.dtype,
-                                                          device=s.mask.device).masked_fill_(~s.mask, -torch.inf),
-                            s.cache) for s in segments]
+        segments = [] if slots is not None else [
+            Segment(s.start, s.stop, torch.zeros(s.mask.shape, dtype=self.embedding.dtype,
+                                                 device=s.mask.device).masked_fill_(~s.mask, -torch.inf), s.cache)
+            for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows)
+            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots)
+        if slots is not None:
+            finish_slot_batch(slots)
         last = _rms_norm(hidden[keep], self.final_norm, self.eps)
         (logits,) = self.lm_head(last)
         return logits, (last if want_hidden else None)
 
+    def _slot_batch(self, segments: Sequence[Segment]) -> SlotBatch | None:
+        """The plan of one attention call per layer when every sequence's cache is a slot of one allocated pool."""
+        pool = getattr(segments[0].cache, "pool", None)
+        if len(segments) < 2 or pool is None or not pool.keys or any(
+                getattr(s.cache, "pool", None) is not pool for s in segments):
+            return None
+        return plan_slot_batch([s.cache for s in segments], [(s.start, s.stop) for s in segments],
+                               [s.mask for s in segments], self.heads // self.kv_heads, self.embedding.dtype)
+
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Sequence[Segment], rows: int) -> torch.Tensor:
+               segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None) -> torch.Tensor:
         query, key, value = self._attention_inputs(layer, _rms_norm(hidden, layer.norm1, self.eps), cos, sin, rows)
+        if slots is not None:
+            return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
         parts = []
         for s in segments:
             whole = len(segments) == 1
@@ -166,7 +184,11 @@ class LlamaFamilyDecoder:
                                          s.mask, scaling=self.scaling)
             parts.append(attended)
         attended = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        (out,) = layer.out(attended.reshape(rows, self.heads * self.head_dim))
+        return self._mlp(layer, hidden, attended.reshape(rows, self.heads * self.head_dim))
+
+    def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The attention's output projection and residual, then the MLP block and its residual."""
+        (out,) = layer.out(attended)
         hidden = hidden + out
         gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, self.eps))
         (down,) = layer.down(F.silu(gate) * up)
