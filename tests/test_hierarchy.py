@@ -190,3 +190,39 @@ def test_hd_finds_stores_in_the_default_location(tmp_path):
         "context", "statistics"]
     ignored = DrafterContext(target, store_root=str(tmp_path), find_default_stores=False)
     assert make_drafter("hd", ignored).sources == ["context", "successors"]
+
+
+def _rejecting_verdict(tree, wrong: int, vocab: int = 16):
+    """A verdict in which the target predicts ``wrong`` after every node: no draft token is accepted."""
+    logits = torch.zeros((tree.size, vocab))
+    logits[:, wrong] = 1.0
+    return accept_greedy(tree, logits)
+
+
+def test_scored_tree_explores_when_nothing_pays_and_backs_off():
+    """A cost curve on which no draft pays (2 rows cost 10x one), a context database that always offers a
+    candidate, and a target that rejects everything: the tree is empty except every ``explore_every``-th step,
+    when the best single node is drafted; each rejected exploration doubles the interval (8, 16, 32, 64); an
+    accepted one brings it back to 8; ``explore_every=0`` never drafts."""
+    def steep(rows: int) -> float:
+        return 1.0 if rows == 1 else 10.0
+
+    def drafted_steps(explore_every: int, accept_from: int | None = None, steps: int = 140) -> list[int]:
+        drafter = HierarchyDrafter(HierarchyConfig(l=1, m=2, order="c", explore_every=explore_every), cost=steep)
+        context = np.array([1, 2, 3, 1, 2, 3, 1, 2])  # after 2 the context database offers (3, 1)
+        drafter.begin(context)
+        drafted = []
+        for step in range(1, steps + 1):
+            tree = drafter.propose(context, budget=8)
+            if tree.size > 1:
+                drafted.append(step)
+                assert tree.size == 2 and tree.tokens.tolist() == [2, 3]
+            right = accept_from is not None and step >= accept_from
+            drafter.observe(_rejecting_verdict(tree, 3 if right else 9), context)
+        return drafted
+
+    assert drafted_steps(8) == [8, 24, 56, 120]
+    assert drafted_steps(8, accept_from=24) == [8, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 136]
+    assert drafted_steps(0) == []
+    with pytest.raises(InputError):
+        HierarchyConfig(explore_every=-1)

@@ -43,6 +43,9 @@ from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
 log = logging.getLogger(__name__)
 
+#: the longest interval between two explorations of the scored tree while they keep being rejected
+MAX_EXPLORE_EVERY = 128
+
 SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors"}
 
 
@@ -78,6 +81,10 @@ class HierarchyConfig:
             is persisted with it (:class:`~hierspec.datastore.learning.LearningStore`; created at the default
             location when no model store is given).
         flush_every: generations between two writes of a learning store.
+        explore_every: (``tree=scored``) after this many steps in a row whose tree came out empty although the
+            databases offered candidates, draft the best single node anyway, so that acceptance rates that fell
+            below what pays can recover; the interval doubles (up to 128) while explorations are rejected and
+            returns to this value when one is accepted. 0 turns exploring off.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -100,10 +107,13 @@ class HierarchyConfig:
     t_width: int = 3
     learn: bool = False
     flush_every: int = 8
+    explore_every: int = 8
 
     def __post_init__(self) -> None:
         if self.tree not in {"scored", "fixed"}:
             raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
+        if self.explore_every < 0:
+            raise InputError("hd needs explore_every >= 0 (0: never explore)")
         if min(self.candidates, self.t_k, self.t_width, self.flush_every) < 1:
             raise InputError("hd needs candidates, t_k, t_width and flush_every >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
@@ -275,6 +285,9 @@ class HierarchyDrafter(Drafter):
         self.acceptance = AcceptanceModel([name for name, _ in self.databases])
         self._scored: ScoredTree | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
+        self._empty_steps = 0  # steps in a row whose scored tree was empty though candidates existed
+        self._explore_interval = self.config.explore_every
+        self._exploring = False
 
     @property
     def sources(self) -> list[str]:
@@ -316,11 +329,25 @@ class HierarchyDrafter(Drafter):
         if budget <= 0:
             return root_only(root)
         if self.config.tree == "scored":
-            self._scored = select_tree(root, self.candidates(context), self.acceptance, self.cost, budget,
-                                       self._shared)
+            candidates = self.candidates(context)
+            self._scored = select_tree(root, candidates, self.acceptance, self.cost, budget, self._shared)
+            if self._scored.tree.size == 1 and candidates and self._due_to_explore():
+                # the single node with the best estimate, whatever the cost curve says
+                self._scored = select_tree(root, candidates, self.acceptance, _flat_cost, 1)
+                self._exploring = True
             return self._scored.tree
         sequences, sources = self.collect(context)
         return build_tree(root, sequences, sources, budget=min(budget, self.config.n * self.config.m))
+
+    def _due_to_explore(self) -> bool:
+        """Count one more empty step; True (and the count restarts) when an exploration is due."""
+        if not self._explore_interval:
+            return False
+        self._empty_steps += 1
+        if self._empty_steps < self._explore_interval:
+            return False
+        self._empty_steps = 0
+        return True
 
     def candidates(self, context: np.ndarray) -> list[Candidate]:
         """Up to ``candidates`` sequences from every database, with confidence bins: each database's own evidence
@@ -363,6 +390,12 @@ class HierarchyDrafter(Drafter):
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         if self._scored is not None and verdict.tree is self._scored.tree:
             self.acceptance.learn(self._scored, verdict)
+            if self._scored.tree.size > 1:
+                self._empty_steps = 0
+            if self._exploring:
+                self._exploring = False
+                self._explore_interval = (self.config.explore_every if verdict.path
+                                          else min(2 * self._explore_interval, MAX_EXPLORE_EVERY))
         if self.successors is not None and verdict.target_topk is not None:
             self.successors.update(verdict.tree.tokens, verdict.target_topk)
         self.recycle(verdict, context[: self._proposed_length])
@@ -414,6 +447,11 @@ class HierarchyDrafter(Drafter):
             chain.append(int(argmax[child]))
             child = tree.children(child).get(chain[-1])
         return tuple(chain)
+
+
+def _flat_cost(rows: int) -> float:
+    """A cost curve on which every node pays (exploration)."""
+    return 1.0
 
 
 @register("hd", HierarchyConfig, summary="Hierarchy Drafting: context, model, statistics, successor (and dense) "
