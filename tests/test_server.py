@@ -317,3 +317,40 @@ def test_streams_of_concurrent_clients_are_batched_and_equal_their_answers_alone
     while live.engine.running and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live.engine.running == 0, "the dropped stream's generation kept running"
+
+
+def test_a_failed_batch_step_ends_its_requests_and_takes_them_out_of_the_batch(target):
+    """A step that raises (outside the scheduler's own per-request handling) is reported to every running job, and
+    their requests leave the batch: nothing generates on for a client that was already told it failed."""
+    import asyncio
+
+    from hierspec.batching import BatchConfig, BatchScheduler
+    from hierspec.server.engine import Engine
+
+    scheduler = BatchScheduler(target, NoDrafter, BatchConfig(max_batch=4))
+    real_step = scheduler.step
+    calls = {"n": 0}
+
+    def failing_once():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the forward broke")
+        return real_step()
+
+    scheduler.step = failing_once
+    engine = Engine(scheduler, max_queue=8)
+
+    async def run():
+        jobs = [engine.submit([1, 2, 3 + i], GenerationConfig(max_new_tokens=200, stop_at_eos=False))
+                for i in range(3)]
+        outcomes = [[item async for item in job.items()] for job in jobs]
+        return outcomes, scheduler.running
+
+    try:
+        outcomes, running = asyncio.run(run())
+    finally:
+        engine.close()
+    for items in outcomes:
+        assert isinstance(items[-1], RuntimeError) and str(items[-1]) == "the forward broke"
+    assert running == 0 and scheduler.idle
+    assert calls["n"] == 3  # no step after the failure: the failed requests did not generate on

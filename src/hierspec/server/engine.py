@@ -129,7 +129,7 @@ class Engine:
                 log.exception("a batch step failed")
                 touched = []
                 for job in list(self._jobs.values()):
-                    self._end(job, exc)
+                    self._stop(job, exc)
             finally:
                 self.busy = not self.scheduler.idle
             for request in touched:
@@ -164,12 +164,15 @@ class Engine:
         now = time.monotonic()
         for job in list(self._jobs.values()):
             if job.cancelled.is_set():
-                self.scheduler.cancel(job.request)
-                self._end(job, None)
+                self._stop(job, None)
             elif now > job.deadline:
-                self.scheduler.cancel(job.request)
                 phase = "generating" if job.request.admitted_at is not None else "queued"
-                self._end(job, RequestTimeout(f"the request timed out while {phase}"))
+                self._stop(job, RequestTimeout(f"the request timed out while {phase}"))
+
+    def _stop(self, job: Job, error: BaseException | None) -> None:
+        """Take a submitted job's request out of the scheduler (it generates no further) and end the job."""
+        self.scheduler.cancel(job.request)
+        self._end(job, error)
 
     def _report(self, request: Request) -> None:
         job = self._jobs.get(request.id)
