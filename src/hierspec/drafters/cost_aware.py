@@ -32,6 +32,7 @@ import torch
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
 from hierspec.tree import DraftTree, root_only
 
 log = logging.getLogger(__name__)
@@ -58,14 +59,13 @@ class CostAwareDrafter(Drafter):
     """
 
     def __init__(self, inner: Drafter, cost: Callable[[int], float], explore_every: int = 8,
-                 max_explore_every: int = 128) -> None:
+                 max_explore_every: int = MOST_STEPS_BETWEEN) -> None:
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError("explore_every must be >= 1 and <= max_explore_every")
         self.inner = inner
         # a fixed curve read at up to ~budget row counts in every step: each count is looked up once
         self.cost = functools.lru_cache(maxsize=None)(cost)
-        self.explore_every = explore_every
-        self.max_explore_every = max_explore_every
+        self._backoff = ExplorationBackOff(explore_every, max_explore_every)
         self.name = f"{inner.name}+cost"
         self._reached = np.zeros(MAX_DEPTH + 1)  # steps whose verified tree had depth >= d
         self._accepted = np.zeros(MAX_DEPTH + 1)  # of those, steps that accepted >= d draft tokens
@@ -73,7 +73,6 @@ class CostAwareDrafter(Drafter):
         self._asked = np.zeros(MAX_DEPTH + 1)
         self._deep = np.zeros(MAX_DEPTH + 1)
         self._nodes = np.zeros(MAX_DEPTH + 1)
-        self._interval = explore_every
         self._next_explore = explore_every
         self._steps = 0
         self._depth = 0
@@ -162,7 +161,7 @@ class CostAwareDrafter(Drafter):
         self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
         if self._exploring:
             planned = min(planned + 1, budget)
-            self._next_explore = self._steps + self._interval
+            self._next_explore = self._steps + self._backoff.interval
         self._proposed = planned > 0
         if not self._proposed:
             self.skipped_steps += 1
@@ -198,8 +197,7 @@ class CostAwareDrafter(Drafter):
         self._reached[1 : depth + 1] += 1
         self._accepted[1 : accepted + 1] += 1
         if self._exploring:
-            found = 0 < depth <= accepted
-            self._interval = self.explore_every if found else min(2 * self._interval, self.max_explore_every)
+            self._backoff.record(found=0 < depth <= accepted)
 
     def finish(self, context: np.ndarray) -> None:
         self.inner.finish(context)

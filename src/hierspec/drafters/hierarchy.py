@@ -36,15 +36,13 @@ from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseConfig, DenseRetriever
+from hierspec.drafters.exploration import ExplorationBackOff
 from hierspec.drafters.registry import register
 from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
 log = logging.getLogger(__name__)
-
-#: the longest interval between two explorations of the scored tree while they keep being rejected
-MAX_EXPLORE_EVERY = 128
 
 SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors"}
 
@@ -286,7 +284,7 @@ class HierarchyDrafter(Drafter):
         self._scored: ScoredTree | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
         self._empty_steps = 0  # steps in a row whose scored tree was empty though candidates existed
-        self._explore_interval = self.config.explore_every
+        self._backoff = ExplorationBackOff(self.config.explore_every) if self.config.explore_every else None
         self._exploring = False
 
     @property
@@ -341,10 +339,10 @@ class HierarchyDrafter(Drafter):
 
     def _due_to_explore(self) -> bool:
         """Count one more empty step; True (and the count restarts) when an exploration is due."""
-        if not self._explore_interval:
+        if self._backoff is None:
             return False
         self._empty_steps += 1
-        if self._empty_steps < self._explore_interval:
+        if self._empty_steps < self._backoff.interval:
             return False
         self._empty_steps = 0
         return True
@@ -394,8 +392,7 @@ class HierarchyDrafter(Drafter):
                 self._empty_steps = 0
             if self._exploring:
                 self._exploring = False
-                self._explore_interval = (self.config.explore_every if verdict.path
-                                          else min(2 * self._explore_interval, MAX_EXPLORE_EVERY))
+                self._backoff.record(found=bool(verdict.path))
         if self.successors is not None and verdict.target_topk is not None:
             self.successors.update(verdict.tree.tokens, verdict.target_topk)
         self.recycle(verdict, context[: self._proposed_length])

@@ -35,10 +35,10 @@ from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
-from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache
-from hierspec.runtime.slots import SlotPool
+from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.quantized import Int4Weight, kernel_reason, load_gguf_weights
+from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,7 @@ class Runtime:
             return self.eager_cache(capacity)
         needed = max(MIN_CAPACITY, (capacity or 0) + max(self.buckets, default=1))
         if self._static_cache is None or self._static_cache.capacity < needed:
-            size = MIN_CAPACITY
-            while size < needed:
-                size *= 2
+            size = doubled_capacity(MIN_CAPACITY, needed)
             self._static_cache = None  # free the old buffer before the new one is allocated
             self.graphed.forget()
             self._static_cache = StaticTreeCache(self.num_layers, self.kv_heads, self.head_dim, size, self.dtype,
@@ -264,8 +262,9 @@ class Runtime:
         """One verification forward of several sequences' trees, each on top of its own cache: ``[(logits, hidden |
         None)]`` per tree, each equal to what :meth:`forward_tree` gives that tree alone.
 
-        Every weight product runs once over all trees' rows (the weights stream once); attention runs per tree on its
-        own cache. The trees are not padded to buckets (the products are row-invariant, and a row's attention does
+        Every weight product runs once over all trees' rows (the weights stream once); attention runs over each
+        tree's own cache — in one call per layer when the caches are slots of one pool (:meth:`slot_caches`), else
+        per tree. The trees are not padded to buckets (the products are row-invariant, and a row's attention does
         not depend on the rows beside it); only a forward of fewer rows than the smallest bucket is padded, on its
         last tree. Without the owned decoder (or with CUDA graphs) the trees are verified one after another.
         """

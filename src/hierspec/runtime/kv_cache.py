@@ -99,14 +99,9 @@ class GrowableLayer(CacheLayerMixin):
         return -1
 
     def _grow(self, needed: int) -> None:
-        capacity = self.capacity
-        while capacity < needed:
-            capacity *= 2
-        for name in ("_keys", "_values"):
-            old = getattr(self, name)
-            new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
-            new[:, :, : self.length] = old[:, :, : self.length]
-            setattr(self, name, new)
+        capacity = doubled_capacity(self.capacity, needed)
+        self._keys = regrown(self._keys, capacity, self.length)
+        self._values = regrown(self._values, capacity, self.length)
         self.capacity = capacity
 
     # ``keys`` / ``values``: views of the held entries, as other cache layers expose them; derived on access (a
@@ -126,6 +121,20 @@ class GrowableLayer(CacheLayerMixin):
     @values.setter
     def values(self, value: None) -> None:
         _derived_only(value)
+
+
+def doubled_capacity(capacity: int, needed: int) -> int:
+    """``capacity`` doubled until it holds ``needed`` entries."""
+    while capacity < needed:
+        capacity *= 2
+    return capacity
+
+
+def regrown(buffer: torch.Tensor, capacity: int, held: int) -> torch.Tensor:
+    """A zeroed ``[batch, heads, capacity, dim]`` buffer holding the first ``held`` entries of ``buffer``."""
+    grown = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[-1]))
+    grown[:, :, :held] = buffer[:, :, :held]
+    return grown
 
 
 def _derived_only(value: object) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from hierspec.runtime.attention import QUERY_ROW_MULTIPLE
-from hierspec.runtime.kv_cache import GrowableLayer, TreeCache
+from hierspec.runtime.kv_cache import GrowableLayer, TreeCache, doubled_capacity, regrown
 
 
 class SlotLayer(GrowableLayer):
@@ -85,14 +85,9 @@ class SlotPool:
         """Room for ``needed`` entries in every slot (held entries copied)."""
         if needed <= self.capacity:
             return
-        capacity = self.capacity
-        while capacity < needed:
-            capacity *= 2
+        capacity = doubled_capacity(self.capacity, needed)
         for buffers in (self.keys, self.values):
-            for index, old in enumerate(buffers):
-                new = old.new_zeros((*old.shape[:2], capacity, old.shape[-1]))
-                new[:, :, : self.capacity] = old
-                buffers[index] = new
+            buffers[:] = [regrown(old, capacity, self.capacity) for old in buffers]
         self.capacity = capacity
         self._bind()
 
@@ -114,6 +109,7 @@ class SlotBatch:
         scatter: ``[rows]``: each row's place among the ``count * per_slot`` attended rows.
         per_slot: query rows per slot (before folding the grouped heads); ``mask``: additive ``[count, 1, folded,
             width]``, ``folded`` being ``groups * per_slot`` rounded up to a multiple of 4 (dummy rows at the end).
+        ends: each sequence's cache and the entries it holds once the forward has written its rows.
     """
 
     pool: SlotPool

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable
 
 from hierspec.batching import BatchConfig, BatchScheduler

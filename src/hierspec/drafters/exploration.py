@@ -1,0 +1,30 @@
+"""The back-off between explorations that cost-aware drafting and `hd`'s scored tree share.
+
+A drafter that sizes its drafts by learned acceptance rates must sometimes draft beyond what they say pays, or a
+rate that fell too low is never tested again. Both do so every ``interval`` steps (counted their own way), with
+the same rule: the interval returns to ``every`` after an exploration that was accepted and doubles, up to
+``most``, after one that was not — so a drafter that keeps failing costs less and less.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: the longest interval the back-off reaches by default
+MOST_STEPS_BETWEEN = 128
+
+
+@dataclass
+class ExplorationBackOff:
+    """Steps to wait before the next exploration (``interval``), updated by :meth:`record`."""
+
+    every: int
+    most: int = MOST_STEPS_BETWEEN
+    interval: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.interval = self.every
+
+    def record(self, found: bool) -> None:
+        """After an exploration: back to ``every`` if it was accepted, else twice the interval (at most ``most``)."""
+        self.interval = self.every if found else min(2 * self.interval, self.most)
