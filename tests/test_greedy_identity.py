@@ -1,5 +1,7 @@
 """Speculative greedy decoding must reproduce plain greedy decoding token for token."""
 
+from collections import Counter
+
 import numpy as np
 import pytest
 import torch
@@ -113,6 +115,7 @@ def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
     from hierspec.datastore.model_store import ModelStoreConfig
     from hierspec.store_builds import build_model_store
     from hierspec.datastore.ngram import NgramTable
+    from hierspec.datastore.recent_outputs import RecentOutputs
     from hierspec.datastore.suffix import SuffixStore, build_suffix_store
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase, StatisticsDatabase
 
@@ -130,17 +133,25 @@ def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
     build_suffix_store(corpus, target.tokenizer, "tiny", target.tokenizer_fingerprint, tmp_path / "suffix")
     model = ModelDatabase(NgramTable.open(tmp_path / "model", target.tokenizer_fingerprint), min_count=1)
     statistics = StatisticsDatabase(SuffixStore.open(tmp_path / "suffix"), value_len=5, n_min=2)
+    # o: earlier outputs of the process — a third of the references, then every generation as it finishes
+    outputs = RecentOutputs(max_tokens=400)
+    for reference in references[::3]:
+        outputs.add(reference)
     forwards_by_order = {}
     for order, tree in (("cms", "fixed"), ("smc", "fixed"), ("c", "fixed"), ("m", "fixed"), ("cms", "scored"),
-                        ("m", "scored")):
-        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cms", tree=tree),
-                                   model, statistics)
+                        ("m", "scored"), ("ao", "scored"), ("acmso", "scored"), ("aocms", "fixed")):
+        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cmsao", tree=tree),
+                                   model, statistics, outputs=outputs)
         decoder = SpeculativeDecoder(target, drafter)
         forwards = 0
+        accepted = Counter()
         for prompt, reference in zip(prompts, references):
             result = decoder.generate(prompt, config)
             assert result.token_ids == reference
             forwards += result.stats.target_forwards
+            accepted.update(result.stats.accepted_by_source)
         forwards_by_order[order, tree] = forwards
-    for key in (("cms", "fixed"), ("m", "fixed"), ("cms", "scored"), ("m", "scored")):
+        if order == "ao":  # both suffix-match sources drafted accepted tokens (outputs: the earlier references)
+            assert accepted["automaton"] > 0 and accepted["outputs"] > 0, accepted
+    for key in (("cms", "fixed"), ("m", "fixed"), ("cms", "scored"), ("m", "scored"), ("ao", "scored")):
         assert forwards_by_order[key] < sum(len(r) for r in references), key

@@ -1,5 +1,7 @@
 """Hierarchy Drafting: access order, stopping at N, recycling of the verifier's tokens, per-source accounting."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -226,3 +228,28 @@ def test_scored_tree_explores_when_nothing_pays_and_backs_off():
     assert drafted_steps(0) == []
     with pytest.raises(InputError):
         HierarchyConfig(explore_every=-1)
+
+
+def test_learned_state_is_shared_by_one_methods_generations_only(tmp_path):
+    """Drafters built from one context for the same method (the server's concurrent requests) share the successor
+    table and the earlier outputs; another method (a benchmark's next column) learns on its own."""
+    from hierspec.methods import DrafterContext
+
+    target = make_target("llama", vocab_size=32, seed=4)
+    context = DrafterContext(target, store_root=str(tmp_path))
+    first, second = (make_drafter("hd:order=cto", context) for _ in range(2))
+    other = make_drafter("hd:order=cto,l=1", context)
+    assert first.successors is second.successors and first.outputs.recent is second.outputs.recent
+    assert first.outputs is not second.outputs  # each generation keeps its own running match
+    assert other.successors is not first.successors and other.outputs.recent is not first.outputs.recent
+    result = SpeculativeDecoder(target, first).generate([3, 4, 5, 6], GenerationConfig(max_new_tokens=8))
+    assert first.outputs.recent.outputs == 1 and other.outputs.recent.outputs == 0
+    assert len(second.outputs.recent) == len(result.token_ids) + 1  # the output and its separator
+
+
+def test_bench_warms_up_on_a_prompt_outside_the_questions():
+    from hierspec.bench.questions import load_questions
+    from hierspec.bench.runner import WARM_UP_PROMPT
+
+    questions = load_questions(Path(__file__).parents[1] / "data" / "spec_bench_dev.jsonl")
+    assert all(WARM_UP_PROMPT not in turn for question in questions for turn in question.turns)

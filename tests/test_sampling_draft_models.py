@@ -1,6 +1,6 @@
 """Speculative sampling with draft models is lossless: sd, sd + self-verify, HSDDW and retrieval → model → target.
 
-Same method as ``test_sampling_lossless.py`` (exact joint law of the first three tokens, χ²), with 10 000 seeded runs (``MODEL_RUNS``: a draft model runs every step).
+Same method as ``test_sampling_lossless.py`` (exact joint law of the first three tokens, χ²), with 10 000 seeded runs (``RUNS``).
 ``sd`` uses a real tiny draft model (HSDDW with two real tiny models: ``test_sampling_hsddw_models.py``); the other
 cases use :class:`TableLM` draft distributions, which exercise the same acceptance code at a fraction of the run time
 (losslessness may not depend on what ``q`` is).
@@ -13,7 +13,7 @@ from hierspec.draft_lm import DraftLM
 from hierspec.drafters import PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
-from test_sampling_lossless import MODEL_RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
+from test_sampling_lossless import RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
 from tiny import make_target
 
 
@@ -53,8 +53,8 @@ def check_case(target, weak, case: str) -> None:
     """χ² of the first three tokens sampled with drafter ``case`` against their exact joint law."""
     sampling = SETTINGS["temperature-0.7-top-p-0.9"]
     joint = exact_joint(exact_table(target, sampling))
-    counts, forwards_per_run = sample_counts(target, lambda: CASES[case](weak), sampling, MODEL_RUNS)
+    counts, forwards_per_run = sample_counts(target, lambda: CASES[case](weak), sampling, RUNS)
     assert counts[joint == 0].sum() == 0, "a token outside the warped support was emitted"
     assert forwards_per_run < 3.0, "no draft was ever accepted: acceptance would go untested"
-    pvalue = chi_square_pvalue(counts, joint, MODEL_RUNS)
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"{case}: p = {pvalue:.2e}"

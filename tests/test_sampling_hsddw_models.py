@@ -3,13 +3,13 @@
 A tiny Llama drafts with self-verify and its own KV cache, a tiny Qwen2 pre-verifies and extends with its own KV
 cache, the target verifies the block: unlike the table-driven cases in ``test_sampling_draft_models.py``, the
 distributions here come from real forwards after cache roll-backs, so a stale cache entry would bias the law. Its own
-module so that pytest-xdist can run it beside the other χ² tests (10 000 runs, ``MODEL_RUNS``).
+module so that pytest-xdist can run it beside the other χ² tests (10 000 runs, ``RUNS``).
 """
 
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
-from test_sampling_lossless import MODEL_RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
+from test_sampling_lossless import RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
 from tiny import make_target
 
 
@@ -24,9 +24,9 @@ def test_hsddw_with_two_tiny_models_matches_exact_distribution():
         fast = DraftModelDrafter(DraftLM(first), DraftModelConfig(k=2, self_verify=True, tau=1.5))
         return HSDDWDrafter(fast, DraftLM(middle), HSDDWConfig(tau=1.8, max_block=3))
 
-    counts, forwards_per_run = sample_counts(target, drafter, sampling, MODEL_RUNS)
-    assert counts.sum() == MODEL_RUNS
+    counts, forwards_per_run = sample_counts(target, drafter, sampling, RUNS)
+    assert counts.sum() == RUNS
     assert counts[joint == 0].sum() == 0, "a token outside the warped support was emitted"
     assert forwards_per_run < 3.0, "no block token was ever accepted: acceptance would go untested"
-    pvalue = chi_square_pvalue(counts, joint, MODEL_RUNS)
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"

@@ -34,6 +34,11 @@ BASELINE = "ar"
 HF_METHODS = ("hf-ar", "hf-pld", "hf-assisted")
 
 
+#: the untimed warm-up's prompt: not an evaluation question, because drafters that learn across generations (the
+#: successor table, earlier outputs) would otherwise have seen the first question's answer before it is timed
+WARM_UP_PROMPT = "Write three sentences about the history of the bicycle."
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark run.
@@ -210,7 +215,7 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    _warm_up(runners, _first_prompt(model, questions[0]), config.warmup)
+    _warm_up(runners, model.encode_prompt(WARM_UP_PROMPT), config.warmup)
     seeds = (None,) if sampling.greedy else config.sampling_seeds
     by_seed = {seed: {r.label: MethodRecord(r.label) for r in runners} for seed in seeds}
     for index, question in enumerate(tqdm(questions, desc="questions", unit="q")):
@@ -239,10 +244,6 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     write_plots(out_dir, summary, records)
     write_report(out_dir / "report.md", summary)
     return summary
-
-
-def _first_prompt(model: TargetModel, question: Question) -> list[int]:
-    return model.encode_prompt(question.turns[0], raw=question.raw)
 
 
 def _pool(by_seed: dict) -> dict[str, MethodRecord]:
@@ -274,7 +275,7 @@ def run_turns(runner, model: TargetModel, question: Question, first_turn_only: b
     """Answer a question's turns in order; each later turn's prompt holds the earlier turns and this runner's own
     answers to them (the chat template renders the conversation)."""
     if question.raw or first_turn_only or len(question.turns) == 1:
-        prompt = _first_prompt(model, question)
+        prompt = model.encode_prompt(question.turns[0], raw=question.raw)
         return merge_turns([runner.run(prompt, seed)], [prompt])
     messages: list[dict] = []
     runs, prompts = [], []

@@ -11,6 +11,8 @@
   ``order=cdms``.
 * ``t`` — the successor table (:class:`~hierspec.datastore.successors.SuccessorTable`, Token Recycling's idea): the
   target's top-k after every token, recycled from every verification forward and kept across generations.
+* ``a`` and ``o`` — longest suffix matches (:mod:`hierspec.drafters.suffix_sources`): ``a`` in this generation's
+  own prompt and tokens (a suffix automaton), ``o`` in the earlier outputs of this process; ranked by match length.
 
 Each step reads the databases in ``order``. With ``tree=scored`` (the default) every database offers up to
 ``candidates`` sequences, each node is scored with its estimated probability of acceptance, and the tree is the
@@ -31,6 +33,7 @@ import numpy as np
 from hierspec.accept import Verdict
 from hierspec.datastore.learning import LearningStore
 from hierspec.datastore.ngram import NgramTable
+from hierspec.datastore.recent_outputs import RecentOutputs
 from hierspec.datastore.successors import SuccessorTable
 from hierspec.datastore.suffix import SuffixStore
 from hierspec.drafters.base import Drafter
@@ -39,12 +42,14 @@ from hierspec.drafters.dense import DenseConfig, DenseRetriever
 from hierspec.drafters.exploration import ExplorationBackOff
 from hierspec.drafters.registry import register
 from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
+from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 
 log = logging.getLogger(__name__)
 
-SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors"}
+SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors", "a": "automaton",
+                "o": "outputs"}
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class HierarchyConfig:
         m: tokens per draft sequence (value length).
         n: draft sequences per step (``N``), also the context database's values per key.
         order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics), ``d``
-            (dense retrieval, needs a dense store), ``t`` (successor table).
+            (dense retrieval, needs a dense store), ``t`` (successor table), ``a`` (longest match in the context's
+            suffix automaton), ``o`` (longest match in this process's earlier outputs).
         top_k: most frequent grams of the model store used (the table holds at most what it was built with).
         recycle_topk: target predictions recycled per verified node: 1 = top-1, k > 1 adds the next k - 1 as
             one-token values.
@@ -83,6 +89,11 @@ class HierarchyConfig:
             databases offered candidates, draft the best single node anyway, so that acceptance rates that fell
             below what pays can recover; the interval doubles (up to 128) while explorations are rejected and
             returns to this value when one is accepted. 0 turns exploring off.
+        a_min_match: shortest context match the ``a`` source drafts from.
+        o_min_match: shortest match in earlier outputs the ``o`` source drafts from.
+        o_max_tokens: tokens of earlier outputs kept for ``o`` (the oldest are dropped; shared by the process).
+        match_depth: ``a`` and ``o`` draft at most this many tokens per matched token (SuffixDecoding's cap);
+            0 = up to ``m``.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -106,20 +117,27 @@ class HierarchyConfig:
     learn: bool = False
     flush_every: int = 8
     explore_every: int = 8
+    a_min_match: int = 1
+    o_min_match: int = 2
+    o_max_tokens: int = 100_000
+    match_depth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tree not in {"scored", "fixed"}:
             raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
         if self.explore_every < 0:
             raise InputError("hd needs explore_every >= 0 (0: never explore)")
+        if min(self.a_min_match, self.o_min_match) < 1 or self.o_max_tokens < 2 or self.match_depth < 0:
+            raise InputError("hd needs a_min_match, o_min_match >= 1, o_max_tokens >= 2 and match_depth >= 0")
         if min(self.candidates, self.t_k, self.t_width, self.flush_every) < 1:
             raise InputError("hd needs candidates, t_k, t_width and flush_every >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
-            raise InputError(f"hd order {self.order!r}: use each of the letters c, m, s, d at most once, e.g. 'cms'")
+            raise InputError(f"hd order {self.order!r}: use each of the letters {', '.join(SOURCE_NAMES)} at most "
+                             "once, e.g. 'cmst'")
         if not self.lead or set(self.lead) - set(SOURCE_NAMES):
-            raise InputError(f"hd lead {self.lead!r}: use letters among c, m, s, d")
+            raise InputError(f"hd lead {self.lead!r}: use letters among {', '.join(SOURCE_NAMES)}")
         if not (0.0 <= self.s_min_share <= 1.0 and 0.0 <= self.m_min_share <= 1.0):
             raise InputError("hd needs 0 <= s_min_share <= 1 and 0 <= m_min_share <= 1")
 
@@ -258,7 +276,7 @@ class HierarchyDrafter(Drafter):
     def __init__(self, config: HierarchyConfig | None = None, model: DraftDatabase | None = None,
                  statistics: DraftDatabase | None = None, dense: DenseRetriever | None = None,
                  cost: Callable[[int], float] | None = None, successors: SuccessorTable | None = None,
-                 learning: LearningStore | None = None) -> None:
+                 learning: LearningStore | None = None, outputs: RecentOutputs | None = None) -> None:
         self.config = config or HierarchyConfig()
         scored = self.config.tree == "scored"
         self.context_db = ContextDB(self.config.l, self.config.m,
@@ -270,7 +288,13 @@ class HierarchyDrafter(Drafter):
         self.verifier_topk = max(self.config.recycle_topk, self.config.t_k if self.successors is not None else 1)
         successor_db = (SuccessorDatabase(self.successors, self.config.m, self.config.t_width)
                          if self.successors is not None else None)
-        available = {"c": self.context_db, "m": model, "s": statistics, "d": dense, "t": successor_db}
+        config = self.config
+        self.automaton = (AutomatonDatabase(config.m, config.a_min_match, config.match_depth)
+                          if "a" in config.order else None)
+        self.outputs = (OutputsDatabase(outputs, config.m, config.o_min_match, config.match_depth)
+                        if outputs is not None and "o" in config.order else None)
+        available = {"c": self.context_db, "m": model, "s": statistics, "d": dense, "t": successor_db,
+                     "a": self.automaton, "o": self.outputs}
         self.databases: list[tuple[str, DraftDatabase]] = [
             (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
         ]
@@ -305,6 +329,9 @@ class HierarchyDrafter(Drafter):
         self._scored = None
         self.context_db.reset()
         self.context_db.feed_context(prompt)
+        for database in (self.automaton, self.outputs):
+            if database is not None:
+                database.reset()
         if self.dense is not None:
             self.dense.reset()
 
@@ -399,8 +426,10 @@ class HierarchyDrafter(Drafter):
         self.context_db.feed_context(context)
 
     def finish(self, context: np.ndarray) -> None:
-        """With a learning store: queue this generation (the key's context, then every generated token) and write
-        a new version every ``flush_every`` generations."""
+        """Add this generation's output to the earlier outputs (``o``); with a learning store, queue it (the key's
+        context, then every generated token) and write a new version every ``flush_every`` generations."""
+        if self.outputs is not None:
+            self.outputs.recent.add(np.asarray(context[self._prompt_length :]).tolist())
         if self.learning is None:
             return
         start = max(0, self._prompt_length - self.learning.table.key_len)
@@ -479,10 +508,13 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
     if options.learn:
         learning = context.learning_store(model_dir, options.top_k, options.t_k)
     elif "t" in options.order:
-        # learned from every generation's verdicts; concurrent generations share one table
-        successors = context.shared(("successors", options.t_k),
+        # learned from every generation's verdicts; concurrent generations of the same method share one table (a
+        # benchmark's methods do not: each learns from its own generations only)
+        successors = context.shared(("successors", options),
                                     lambda: SuccessorTable(context.target.vocab_size, options.t_k))
+    outputs = (context.shared(("recent-outputs", options), lambda: RecentOutputs(options.o_max_tokens))
+               if "o" in options.order else None)
     drafter = HierarchyDrafter(options, model, statistics, dense, cost=context.verification_cost(),
-                               successors=successors, learning=learning)
+                               successors=successors, learning=learning, outputs=outputs)
     log.info("hd reads %s", " > ".join(drafter.sources))
     return drafter
