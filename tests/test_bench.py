@@ -121,7 +121,7 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
         assert f"]({plot})" in (out / "report.md").read_text()
     assert summary["methods"]["sd:draft=self:1"]["identical_to_ar"] == 1.0
     assert summary["methods"]["sd:draft=self:1"]["levels"]["mean_window"] > 0
-    assert summary["drafters"]["hd:l=1"]["databases"] == ["context", "successors"]
+    assert summary["drafters"]["hd:l=1"]["databases"] == ["automaton", "context", "successors"]
     assert summary["drafters"]["hd:l=1"]["config"]["l"] == 1
     calibration = summary["methods"]["hd:l=1"]["calibration"]  # scored trees: predicted against observed
     assert calibration and all(0 <= row["predicted"] <= 1 and 0 <= row["observed"] <= 1 for row in calibration)

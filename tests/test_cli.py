@@ -184,7 +184,8 @@ def test_hd_is_the_default_method_and_matches_ar(capsys, model_dir, store_dir, m
                             "--max-new-tokens", "12", "--json", *extra)
         result = json.loads(out)
         assert code == 0 and result["token_ids"] == reference
-        assert set(result["stats"]["drafted_by_source"]) <= {"context", "model", "statistics"}
+        assert set(result["stats"]["drafted_by_source"]) <= {"automaton", "context", "model", "statistics",
+                                                             "successors"}
 
 
 def test_model_store_errors(capsys, model_dir, model_store_dir, tmp_path):

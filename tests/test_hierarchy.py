@@ -182,16 +182,17 @@ def test_hd_finds_stores_in_the_default_location(tmp_path):
 
     target = make_target("llama", vocab_size=32, seed=4)
     root = default_store_dir(target.tokenizer_fingerprint, tmp_path)
-    assert make_drafter("hd", DrafterContext(target, store_root=str(tmp_path))).sources == ["context", "successors"]
+    assert make_drafter("hd", DrafterContext(target, store_root=str(tmp_path))).sources == [
+        "automaton", "context", "successors"]
     build_model_store(target, ["w1 w2", "w3 w4"], root / "model", ModelStoreConfig(max_new_tokens=6, method="ar"))
     build_suffix_store(["w1 w2 w3 w4 w5"], target.tokenizer, "tiny", target.tokenizer_fingerprint, root / "suffix")
     found = make_drafter("hd", DrafterContext(target, store_root=str(tmp_path)))
-    assert found.sources == ["context", "model", "statistics", "successors"]
+    assert found.sources == ["automaton", "context", "model", "statistics", "successors"]
     assert found.describe()["stores"] == {"model": str(root / "model"), "statistics": str(root / "suffix")}
     assert make_drafter("hd:order=cs", DrafterContext(target, store_root=str(tmp_path))).sources == [
         "context", "statistics"]
     ignored = DrafterContext(target, store_root=str(tmp_path), find_default_stores=False)
-    assert make_drafter("hd", ignored).sources == ["context", "successors"]
+    assert make_drafter("hd", ignored).sources == ["automaton", "context", "successors"]
 
 
 def _rejecting_verdict(tree, wrong: int, vocab: int = 16):

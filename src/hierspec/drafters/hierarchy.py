@@ -12,7 +12,8 @@
 * ``t`` — the successor table (:class:`~hierspec.datastore.successors.SuccessorTable`, Token Recycling's idea): the
   target's top-k after every token, recycled from every verification forward and kept across generations.
 * ``a`` and ``o`` — longest suffix matches (:mod:`hierspec.drafters.suffix_sources`): ``a`` in this generation's
-  own prompt and tokens (a suffix automaton), ``o`` in the earlier outputs of this process; ranked by match length.
+  own prompt and tokens (a suffix automaton; first in the default order ``acmst``), ``o`` in the earlier outputs of
+  this process (not in the default order); ranked by match length.
 
 Each step reads the databases in ``order``. With ``tree=scored`` (the default) every database offers up to
 ``candidates`` sequences, each node is scored with its estimated probability of acceptance, and the tree is the
@@ -74,7 +75,8 @@ class HierarchyConfig:
         d_k: neighbours retrieved from the dense store per lookup.
         d_min_score: dense neighbours less similar than this (cosine) are not drafted.
         lead: (``tree=fixed``) databases whose drafts may make up a step's tree on their own; the others only add
-            sequences to a step that a leading database already drafts for. ``"cms"`` is the paper's access.
+            sequences to a step that a leading database already drafts for. ``"cms"`` is the paper's access; the
+            default ``"ac"`` lets either context source lead (``a`` comes first in the default order).
         tree: ``"scored"`` — every node scored, the tree sized by the cost curve — or ``"fixed"`` — ``n``
             sequences of ``m`` tokens in access order, with ``lead``.
         candidates: (``tree=scored``) sequences read from each database per step.
@@ -99,7 +101,7 @@ class HierarchyConfig:
     l: int = 2  # noqa: E741 — the paper's name
     m: int = 6
     n: int = 2
-    order: str = "cmst"
+    order: str = "acmst"
     top_k: int = 100_000
     recycle_topk: int = 1
     min_count: int = 2
@@ -109,7 +111,7 @@ class HierarchyConfig:
     s_k: int = 500
     d_k: int = 32
     d_min_score: float = 0.75
-    lead: str = "c"
+    lead: str = "ac"
     tree: str = "scored"
     candidates: int = 6
     t_k: int = 4
@@ -135,7 +137,7 @@ class HierarchyConfig:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
             raise InputError(f"hd order {self.order!r}: use each of the letters {', '.join(SOURCE_NAMES)} at most "
-                             "once, e.g. 'cmst'")
+                             "once, e.g. 'acmst'")
         if not self.lead or set(self.lead) - set(SOURCE_NAMES):
             raise InputError(f"hd lead {self.lead!r}: use letters among {', '.join(SOURCE_NAMES)}")
         if not (0.0 <= self.s_min_share <= 1.0 and 0.0 <= self.m_min_share <= 1.0):
