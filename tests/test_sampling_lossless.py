@@ -110,14 +110,14 @@ def test_tree_sampling_matches_exact_distribution(target, name):
     assert pvalue > 1e-3, f"{name}: p = {pvalue:.2e}"
 
 
-def test_chi_square_detects_a_biased_sampler(target, runs=RUNS):
+def test_chi_square_detects_a_biased_sampler(target):
     """The statistic has power: counts drawn from a slightly different law are rejected (temperature 0.8 vs 1, and
     0.72 vs 0.7 with top-p 0.9, the draft-model tests' setting)."""
     for exact, shifted in ((SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.8)),
                            (SETTINGS["temperature-0.7-top-p-0.9"], SamplingConfig(temperature=0.72, top_p=0.9))):
         biased = exact_joint(exact_table(target, shifted))
-        counts = np.random.default_rng(0).multinomial(runs, biased.ravel()).reshape(biased.shape).astype(float)
-        assert chi_square_pvalue(counts, exact_joint(exact_table(target, exact)), runs) < 1e-3
+        counts = np.random.default_rng(0).multinomial(RUNS, biased.ravel()).reshape(biased.shape).astype(float)
+        assert chi_square_pvalue(counts, exact_joint(exact_table(target, exact)), RUNS) < 1e-3
 
 
 class _FixedDatabase:

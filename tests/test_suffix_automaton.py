@@ -136,6 +136,11 @@ def test_recent_outputs_keep_the_newest_half_when_full_and_cursors_rematch():
     assert outputs.continuations(cursor, [7, 1, 2, 30], limit=2, length=2) == [((31, 32), 1)]
     assert outputs.continuations(OutputsCursor(), [1, 2], limit=2, length=2) == []  # the oldest were dropped
     assert SEPARATOR < 0
+    long = RecentOutputs(max_tokens=20)
+    long.add(range(100, 115))
+    long.add(range(200, 215))  # each output alone is over half the bound: the newest is kept whole
+    assert long.outputs == 1 and len(long) == 16
+    assert long.continuations(OutputsCursor(), [200, 201], limit=1, length=2) == [((202, 203), 2)]
     with pytest.raises(InputError):
         RecentOutputs(max_tokens=1)
 

@@ -16,7 +16,6 @@ Nothing is written to disk: the text lives as long as the process (the learning 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +36,7 @@ class RecentOutputs:
             raise InputError("the recent-outputs text needs max_tokens >= 2")
         self.max_tokens = max_tokens
         self.epoch = 0
-        self._outputs: deque[tuple[int, ...]] = deque()
-        self._automaton = SuffixAutomaton()
+        self._automaton = SuffixAutomaton()  # its text: each output followed by SEPARATOR
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -47,19 +45,18 @@ class RecentOutputs:
     @property
     def outputs(self) -> int:
         """Outputs held now."""
-        return len(self._outputs)
+        return self._automaton.tokens.count(SEPARATOR)
 
     def add(self, output: Sequence[int]) -> None:
         """Append one finished output (an empty one is ignored); drop the oldest when the text is full."""
-        tokens = tuple(int(t) for t in output)[-(self.max_tokens - 1):]
+        tokens = [int(t) for t in output][-(self.max_tokens - 1):]
         if not tokens:
             return
         with self._lock:
-            self._outputs.append(tokens)
             if len(self._automaton) + len(tokens) + 1 > self.max_tokens:
-                self._rebuild()
+                self._rebuild(self._automaton.tokens + tokens + [SEPARATOR])
             else:
-                self._automaton.extend_many(tokens + (SEPARATOR,))
+                self._automaton.extend_many(tokens + [SEPARATOR])
             self.epoch += 1
 
     def continuations(self, cursor: "OutputsCursor", context: Sequence[int], limit: int, length: int,
@@ -78,17 +75,13 @@ class RecentOutputs:
             cursor.state, cursor.length, cursor.fed = state, matched, len(context)
             return automaton.read(state, matched, automaton.end_of(state), limit, length, min_match, stop=SEPARATOR)
 
-    def _rebuild(self) -> None:
-        kept, total = [], 0
-        for output in reversed(self._outputs):
-            if total + len(output) + 1 > self.max_tokens // 2 and kept:
-                break
-            kept.append(output)
-            total += len(output) + 1
-        self._outputs = deque(reversed(kept))
+    def _rebuild(self, text: list[int]) -> None:
+        """A new automaton over the newest whole outputs of ``text`` that fit in half the bound (the newest at
+        least)."""
+        starts = [0] + [i + 1 for i, token in enumerate(text[:-1]) if token == SEPARATOR]  # where each output starts
+        start = next((s for s in starts if len(text) - s <= self.max_tokens // 2), starts[-1])
         self._automaton = SuffixAutomaton()
-        for output in self._outputs:
-            self._automaton.extend_many(output + (SEPARATOR,))
+        self._automaton.extend_many(text[start:])
 
 
 @dataclass

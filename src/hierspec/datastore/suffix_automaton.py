@@ -42,11 +42,6 @@ class SuffixAutomaton:
         return len(self.tokens)
 
     @property
-    def states(self) -> int:
-        """Number of states (at most ``2 * len(tokens)``)."""
-        return len(self._len)
-
-    @property
     def repeat_length(self) -> int:
         """Length of the text's longest suffix that also ends at an earlier position (0 if none)."""
         return self._len[self._repeat]
