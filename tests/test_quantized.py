@@ -17,7 +17,7 @@ from hierspec.runtime import RuntimeConfig
 from hierspec.runtime import quantized as q
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
-from tiny import assert_chain_equals_steps, make_model, make_tokenizer
+from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
 
 pytestmark = pytest.mark.skipif(q.kernel_reason() is not None, reason=str(q.kernel_reason()))
 
@@ -152,6 +152,10 @@ def test_int4_verification_of_a_chain_equals_plain_steps_bit_for_bit(tmp_path):
     prompt = [3, 14, 15, 9, 26, 5, 35]
     chain = [8, 9, 7, 9, 3, 2, 38, 4, 6, 26, 1, 17, 40]
     assert_chain_equals_steps(target, prompt, chain)
+
+
+def test_int4_exact_attention_gives_every_tree_row_its_chains_logits(tmp_path):
+    assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), attention="exact"))
 
 
 def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):

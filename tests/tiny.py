@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -66,3 +67,32 @@ def assert_chain_equals_steps(target: TargetModel, prompt: list[int], chain: lis
         step = target.forward_tree(cache, root_only(token)).logits[0]
         target.keep_path(cache, past, [0])
         assert torch.equal(step, tree_logits[node]), f"node {node}"
+
+
+def assert_tree_rows_equal_chains(target: TargetModel, trees: int = 6, seed: int = 3) -> None:
+    """Random branching trees over a 60-token prompt: every node's logits equal, bit for bit, the last row of its
+    root-to-node path verified alone as a chain (which ``assert_chain_equals_steps`` ties to plain decoding)."""
+    rng = np.random.default_rng(seed)
+    vocab = target.vocab_size
+    prompt = [int(t) for t in rng.integers(1, vocab, size=60)]
+    branched = 0
+    for _ in range(trees):
+        sequences = [[int(t) for t in rng.integers(1, vocab, size=int(rng.integers(1, 7)))] for _ in range(5)]
+        for sequence in sequences[1:]:  # share a random prefix with the first sequence, then branch off
+            shared = min(int(rng.integers(0, 3)), len(sequence) - 1)
+            sequence[:shared] = sequences[0][:shared]
+        tree = build_tree(prompt[-1], sequences)
+        branched += int(np.bincount(tree.parents[1:]).max() > 1)
+        cache = target.new_cache()
+        target.prefill(cache, prompt[:-1])
+        logits = target.forward_tree(cache, tree).logits
+        for node in range(tree.size):
+            path = [node]
+            while tree.parents[path[-1]] >= 0:
+                path.append(int(tree.parents[path[-1]]))
+            tokens = [int(tree.tokens[i]) for i in reversed(path)]
+            cache = target.new_cache()
+            target.prefill(cache, prompt[:-1])
+            chain = build_tree(tokens[0], [tokens[1:]]) if len(tokens) > 1 else root_only(tokens[0])
+            assert torch.equal(target.forward_tree(cache, chain).logits[-1], logits[node]), f"node {node}"
+    assert branched == trees

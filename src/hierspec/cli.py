@@ -26,6 +26,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "weights with --dtype auto, else prepacked oneDNN linears where available), int4, packed "
                             "(dequantized weights), graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
                             "linears; no second copy of the weights)")
+    group.add_argument("--attention", default="sdpa", choices=["sdpa", "exact"],
+                       help="tree attention: sdpa (PyTorch's; a node of a second branch may differ from plain "
+                            "decoding in the last bits) or exact (every tree row bit-identical to plain decoding, "
+                            "at a cost per forward; hierspec's own decoder on the CPU)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +187,7 @@ def _model_config(args: argparse.Namespace):
     from hierspec.config import ModelConfig
 
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                       runtime=args.runtime)
+                       runtime=args.runtime, attention=args.attention)
 
 
 def _load(args: argparse.Namespace):

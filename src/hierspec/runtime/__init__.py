@@ -43,6 +43,7 @@ from hierspec.runtime.slots import SlotPool
 log = logging.getLogger(__name__)
 
 RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
+ATTENTIONS = ("sdpa", "exact")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
@@ -75,6 +76,9 @@ class RuntimeConfig:
         gguf: the GGUF file the model was loaded from, whose quantized blocks the ``int4`` path multiplies;
             ``None``: the loaded (dequantized) weights only.
         gguf_cache: a directory where the decoded blocks are cached (the file's converted-weights directory).
+        attention: ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact) or ``"exact"``
+            (:mod:`~hierspec.runtime.exact_attention`: every tree row bit-identical to plain decoding; needs
+            hierspec's own decoder, an error otherwise).
     """
 
     kind: str = "auto"
@@ -82,6 +86,7 @@ class RuntimeConfig:
     decoder: str = "auto"
     gguf: str | None = None
     gguf_cache: str | None = None
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_KINDS:
@@ -91,6 +96,8 @@ class RuntimeConfig:
             raise InputError("runtime buckets must be increasing positive row counts")
         if self.decoder not in ("auto", "transformers"):
             raise InputError(f"unknown decoder {self.decoder!r}: use auto or transformers")
+        if self.attention not in ATTENTIONS:
+            raise InputError(f"unknown attention {self.attention!r}: use {', '.join(ATTENTIONS)}")
 
 
 class Runtime:
@@ -124,6 +131,10 @@ class Runtime:
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
+        self.exact = self.config.attention == "exact"
+        if self.exact and (self.decoder is None or use_graphs):
+            raise InputError("exact tree attention needs hierspec's own decoder on the CPU (a Llama-family model, "
+                             "not --decoder transformers, not CUDA graphs)")
         default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
         self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
         # keys attended in whole blocks of CPU attention: a row's attention then does not depend on the tree beside it
@@ -180,6 +191,7 @@ class Runtime:
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
+                "attention": self.config.attention,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:
@@ -243,7 +255,8 @@ class Runtime:
         ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
         if self.decoder is not None:
             with cache.aligned(self.align):
-                return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden)
+                return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden,
+                                            self.exact)
         with cache.aligned(self.align):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
                              use_cache=True, output_hidden_states=want_hidden,
@@ -288,7 +301,7 @@ class Runtime:
             for cache in caches:
                 stack.enter_context(cache.aligned(self.align))
             logits, hidden = self.decoder.forward_segments(torch.cat(ids, dim=1), torch.cat(positions, dim=1),
-                                                           segments, keep_index, want_hidden)
+                                                           segments, keep_index, want_hidden, self.exact)
         bounds = np.cumsum([0] + [tree.size for tree in trees])
         return [(logits[a:b], None if hidden is None else hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hierspec.runtime.attention import tree_attention
+from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Projection, Int4Weight
 from hierspec.runtime.slots import SlotBatch, finish_slot_batch, plan_slot_batch, slot_attention
@@ -127,34 +128,42 @@ class LlamaFamilyDecoder:
         self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-                keep: slice | torch.Tensor, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[kept, vocab]`` of the rows ``keep`` selects (and their last hidden states, after the final
         norm): a tree's real nodes, or a prompt's last row.
 
         ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
-        width]``; every layer's keys and values go into ``cache`` through its layer's ``update``.
+        width]``; every layer's keys and values go into ``cache`` through its layer's ``update``. ``exact``: attention
+        by :func:`~hierspec.runtime.exact_attention.exact_attention` (a row's result independent of the tree's
+        layout).
         """
-        return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden)
+        return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden,
+                                     exact)
 
     def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment],
-                         keep: slice | torch.Tensor, want_hidden: bool = False
+                         keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward of several sequences' rows at once: every product over all rows (the weights stream once),
         attention per :class:`Segment` over its own cache with its own mask — the very operations each sequence's
         own forward runs, so (the products being row-invariant) each row's result is the same as alone. When every
         cache is a slot of one :class:`~hierspec.runtime.slots.SlotPool`, each layer's attention is one call for
-        all sequences (:func:`~hierspec.runtime.slots.slot_attention`), with the same results."""
+        all sequences (:func:`~hierspec.runtime.slots.slot_attention`), with the same results; with ``exact``,
+        attention is :func:`~hierspec.runtime.exact_attention.exact_attention` per sequence."""
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
-        slots = self._slot_batch(segments)
+        slots = None if exact else self._slot_batch(segments)
+        groups = self.heads // self.kv_heads
+        plans = [ExactPlan(s.mask[0, 0, : s.stop - s.start], groups, self.embedding.dtype) for s in segments] \
+            if exact else None
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
-        segments = [] if slots is not None else [
+        segments = [] if slots is not None else segments if exact else [
             Segment(s.start, s.stop, torch.zeros(s.mask.shape, dtype=self.embedding.dtype,
                                                  device=s.mask.device).masked_fill_(~s.mask, -torch.inf), s.cache)
             for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots)
+            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
         if slots is not None:
             finish_slot_batch(slots)
         last = _rms_norm(hidden[keep], self.final_norm, self.eps)
@@ -171,20 +180,24 @@ class LlamaFamilyDecoder:
                                [s.mask for s in segments], self.heads // self.kv_heads, self.embedding.dtype)
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None) -> torch.Tensor:
+               segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None,
+               plans: Sequence[ExactPlan] | None = None) -> torch.Tensor:
         query, key, value = self._attention_inputs(layer, _rms_norm(hidden, layer.norm1, self.eps), cos, sin, rows)
         if slots is not None:
             return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
         parts = []
-        for s in segments:
-            whole = len(segments) == 1
+        whole = len(segments) == 1
+        for number, s in enumerate(segments):
             keys, values = s.cache.layers[index].update(key if whole else key[:, :, s.start : s.stop],
                                                         value if whole else value[:, :, s.start : s.stop])
-            attended, _ = tree_attention(None, query if whole else query[:, :, s.start : s.stop], keys, values,
-                                         s.mask, scaling=self.scaling)
-            parts.append(attended)
-        attended = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return self._mlp(layer, hidden, attended.reshape(rows, self.heads * self.head_dim))
+            own_query = query if whole else query[:, :, s.start : s.stop]
+            if plans is not None:
+                parts.append(exact_attention(own_query, keys, values, plans[number], self.scaling))
+            else:
+                attended, _ = tree_attention(None, own_query, keys, values, s.mask, scaling=self.scaling)
+                parts.append(attended.reshape(s.stop - s.start, self.heads * self.head_dim))
+        attended = parts[0] if whole else torch.cat(parts, dim=0)
+        return self._mlp(layer, hidden, attended)
 
     def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The attention's output projection and residual, then the MLP block and its residual."""

@@ -1,0 +1,154 @@
+"""Exact tree attention (``--attention exact``): every row of any tree bit-identical to the same token verified at
+the end of a chain, i.e. in plain decoding; close to PyTorch's attention; the private op it rests on still behaves."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hierspec.decode import GenerationConfig, SpeculativeDecoder
+from hierspec.drafters import PromptLookupDrafter
+from hierspec.drafters.base import NoDrafter
+from hierspec.errors import InputError
+from hierspec.runtime import RuntimeConfig
+from hierspec.runtime.exact_attention import TAIL, ExactPlan, exact_attention, flash_with_log_sum_exp
+from hierspec.target import TargetModel
+from hierspec.tree import build_tree
+from tiny import assert_tree_rows_equal_chains, make_model, make_tokenizer
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+def test_the_private_flash_op_still_returns_output_and_log_sum_exp():
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 3, 8, 32, generator=gen)
+    key, value = torch.randn(1, 3, 512, 32, generator=gen), torch.randn(1, 3, 512, 32, generator=gen)
+    mask = torch.zeros(1, 1, 8, 512).masked_fill_(torch.arange(512) >= 100, -torch.inf)
+    mask[:, :, 0] = -torch.inf  # a fully masked row: output 0, log-sum-exp 0
+    out, lse = flash_with_log_sum_exp(query, key, value, mask, 0.25)
+    scores = query @ key.transpose(-1, -2) * 0.25 + mask
+    torch.testing.assert_close(out[:, :, 1:], torch.softmax(scores[:, :, 1:], -1) @ value, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, :, 1:], torch.logsumexp(scores[:, :, 1:], -1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0])) and torch.equal(lse[:, :, 0], torch.zeros(1, 3))
+
+
+def _ancestry(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _attend(query, keys, values, mask, dtype):
+    plan = ExactPlan(mask, HEADS // KV_HEADS, dtype)
+    return exact_attention(query, keys, values, plan, DIM ** -0.5)
+
+
+def _check_random_tree(gen: torch.Generator, dtype: torch.dtype) -> int:
+    """Verify a random breadth-first tree over a random cache; assert each node's row equals the row alone at the
+    end of its path laid out as a chain; returns the tree's depth."""
+    past = int(torch.randint(0, 1500, (1,), generator=gen))
+    nodes = int(torch.randint(2, 24, (1,), generator=gen))
+    rows = nodes + int(torch.randint(0, 8, (1,), generator=gen))
+    width = -(-(past + rows) // 512) * 512
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+    cache_k, cache_v = (torch.randn(1, KV_HEADS, width, DIM, generator=gen).to(dtype) for _ in range(2))
+    node_k, node_v = (torch.randn(1, KV_HEADS, nodes, DIM, generator=gen).to(dtype) for _ in range(2))
+    node_q = torch.randn(1, HEADS, nodes, DIM, generator=gen).to(dtype)
+    keys, values = cache_k.clone(), cache_v.clone()
+    keys[:, :, past : past + nodes], values[:, :, past : past + nodes] = node_k, node_v
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    mask[:, :past] = True
+    for node in range(nodes):
+        mask[node, [past + a for a in _ancestry(parents, node)]] = True
+    mask[nodes:, past] = True  # padding rows, as the runtime's
+    query = torch.zeros(1, HEADS, rows, DIM, dtype=dtype)
+    query[:, :, :nodes] = node_q
+    tree = _attend(query, keys, values, mask, dtype)
+    reference = F.scaled_dot_product_attention(
+        query.reshape(1, KV_HEADS, -1, DIM), keys, values, attn_mask=mask.repeat(HEADS // KV_HEADS, 1)[None, None],
+        scale=DIM ** -0.5).view(KV_HEADS, HEADS // KV_HEADS, rows, DIM).permute(2, 0, 1, 3).reshape(rows, -1)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(tree[:nodes], reference[:nodes], rtol=tolerance, atol=tolerance)
+    for node in range(nodes):
+        path = _ancestry(parents, node)
+        keys, values = cache_k.clone(), cache_v.clone()
+        keys[:, :, past : past + len(path)] = node_k[:, :, path]
+        values[:, :, past : past + len(path)] = node_v[:, :, path]
+        alone = torch.zeros(1, width, dtype=torch.bool)
+        alone[:, : past + len(path)] = True
+        row = _attend(node_q[:, :, node : node + 1], keys, values, alone, dtype)[0]
+        assert torch.equal(row, tree[node]), f"past {past}, node {node} of {nodes} in {rows} rows"
+    return max(len(_ancestry(parents, node)) for node in range(nodes)) - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_of_a_random_tree_equals_the_same_row_alone_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1 if dtype == torch.float32 else 2)
+    depths = [_check_random_tree(gen, dtype) for _ in range(40)]
+    assert max(depths) >= 5  # trees with deep branches were among them
+
+
+def test_a_branch_deeper_than_the_tail_is_counted():
+    past, depth = 40, TAIL + 2
+    # two branches of `depth` nodes each below the root, breadth-first: root, a1, b1, a2, b2, ...
+    nodes = 1 + 2 * depth
+    mask = torch.zeros(nodes, past + nodes, dtype=torch.bool)
+    mask[:, : past + 1] = True
+    for node in range(1, nodes):
+        level, branch = (node + 1) // 2, (node + 1) % 2
+        mask[node, [past + 2 * i - 1 + branch for i in range(1, level + 1)]] = True
+    plan = ExactPlan(mask, 1, torch.float32)
+    # a row at depth d keeps d + 1 - TAIL tree keys in part A: the root (always right after the cache) from depth
+    # TAIL on; b1 (slot past + 2, not past + 1) at depth TAIL + 1 of branch b; a2 or b2 (slot past + 3 or + 4, not
+    # past + 2) at depth TAIL + 2 of both branches
+    assert plan.deep_branches == 3
+    chain = torch.ones(depth + 1, past + depth + 1, dtype=torch.bool).tril(past)
+    assert ExactPlan(chain, 1, torch.float32).deep_branches == 0
+
+
+def _target(dtype=torch.float32, **runtime) -> TargetModel:
+    model = make_model("llama", vocab_size=64, seed=7, dtype=dtype, hidden=64, layers=2)
+    return TargetModel(model, make_tokenizer(64), name="tiny-llama", runtime=RuntimeConfig(**runtime))
+
+
+def test_packed_runtime_tree_rows_equal_their_paths_verified_as_chains():
+    assert_tree_rows_equal_chains(_target(kind="packed", attention="exact"))
+
+
+def test_exact_attention_keeps_greedy_output_and_is_close_to_sdpa():
+    exact, sdpa = _target(kind="packed", attention="exact"), _target(kind="packed")
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
+    cache_a, cache_b = exact.new_cache(), sdpa.new_cache()
+    exact.prefill(cache_a, prompt[:-1])
+    sdpa.prefill(cache_b, prompt[:-1])
+    tree = build_tree(prompt[-1], [[4, 8], [9, 9, 9], [4, 2]])
+    torch.testing.assert_close(exact.forward_tree(cache_a, tree).logits, sdpa.forward_tree(cache_b, tree).logits,
+                               rtol=1e-5, atol=1e-5)
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    reference = SpeculativeDecoder(exact, NoDrafter()).generate(prompt, config)
+    assert SpeculativeDecoder(exact, PromptLookupDrafter()).generate(prompt, config).token_ids == reference.token_ids
+
+
+def test_batched_trees_under_exact_attention_equal_each_tree_alone():
+    target = _target(kind="packed", attention="exact")
+    prompts = ([4, 8, 15, 16, 23, 42, 4, 8, 15], [7, 7, 1, 2, 3, 9, 9, 30, 31, 32, 33])
+    trees = (build_tree(15, [[4, 8], [9, 9, 9], [4, 2]]), build_tree(33, [[1], [2, 3, 4, 5]]))
+    alone = []
+    for prompt, tree in zip(prompts, trees):
+        cache = target.new_cache()
+        target.prefill(cache, prompt[:-1])
+        alone.append(target.forward_tree(cache, tree).logits)
+    caches = target.runtime.slot_caches(2)
+    for cache, prompt in zip(caches, prompts):
+        target.prefill(cache, prompt[:-1])
+    together = target.runtime.forward_trees(caches, trees)
+    for (logits, _), own in zip(together, alone):
+        assert torch.equal(logits, own)
+
+
+def test_exact_attention_needs_the_owned_decoder():
+    with pytest.raises(InputError, match="own decoder"):
+        _target(attention="exact", decoder="transformers")
+    with pytest.raises(InputError, match="unknown attention"):
+        RuntimeConfig(attention="fast")
