@@ -11,7 +11,8 @@ its *logical* key sequence only:
   ``0 .. B - 1``, contiguous, exactly as in plain decoding (masked keys after them add exact zeros in whole key
   blocks, :data:`~hierspec.runtime.attention.KEY_BLOCK`);
 * part B — the last :data:`TAIL` attended keys, gathered per row in logical order (a row's own key is always the last
-  column) — by batched products of one row each, merged with part A through the two log-sum-exps.
+  column) — scored by batched products of one row each; part A's log-sum-exp joins them as one more column of the
+  same softmax, whose first weight scales part A's output.
 
 Both parts are computed the same way for a token alone, in a chain or anywhere in a tree, so the result is the same
 bit for bit (``tests/test_exact_attention.py``). PyTorch's flash attention with log-sum-exp is a private op: it is
@@ -51,8 +52,8 @@ class ExactPlan:
         mask_a: additive ``[1, 1, folded, width]`` mask of part A, rows folded per query head of a group and padded
             to a multiple of :data:`~hierspec.runtime.attention.QUERY_ROW_MULTIPLE`.
         index: ``[rows * TAIL]`` slots of each row's part B in logical order (slot 0 where a row has fewer keys).
-        tail_bias: ``[1, rows, 1, TAIL]`` additive mask of part B; ``empty_a``: ``[1, rows, 1]``, ``-inf`` where a
-            row has no part A.
+        tail_bias: ``[1, rows, 1, TAIL]`` additive mask of part B; ``empty_a``: ``[1, rows, 1, 1]``, ``-inf`` where
+            a row has no part A.
         deep_branches: rows whose part A is not a contiguous prefix of the slots (a branch deeper than ``TAIL - 1``):
             their results are correct but not bit-exact.
     """
@@ -76,7 +77,7 @@ class ExactPlan:
         self.mask_a = additive[None, None]
         self.index = index.reshape(-1)
         self.tail_bias = _additive(valid, dtype)[None, :, None, :]
-        self.empty_a = _additive(part_a.any(-1), dtype)[None, :, None]
+        self.empty_a = _additive(part_a.any(-1), dtype)[None, :, None, None]
         held = part_a.sum(-1)
         prefix_end = torch.where(part_a.any(-1), width - part_a.flip(-1).long().argmax(-1), 0)
         self.deep_branches = int((held != prefix_end).sum())
@@ -96,16 +97,14 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         folded = torch.cat((folded, folded.new_zeros(1, kv_heads, extra, dim)), 2)
     out_a, lse_a = flash_with_log_sum_exp(folded, key, value, plan.mask_a, scale)
     out_a = out_a[0, :, : groups * rows].view(kv_heads, groups, rows, dim).transpose(1, 2)
-    lse_a = lse_a[0, :, : groups * rows].view(kv_heads, groups, rows).transpose(1, 2).to(query.dtype) + plan.empty_a
+    lse_a = lse_a[0, :, : groups * rows].view(kv_heads, groups, rows, 1).transpose(1, 2).to(query.dtype)
     tail_keys = key[0].index_select(1, plan.index).view(kv_heads, rows, TAIL, dim)
     tail_values = value[0].index_select(1, plan.index).view(kv_heads, rows, TAIL, dim)
     per_row = query[0].view(kv_heads, groups, rows, dim).transpose(1, 2)  # [kv_heads, rows, groups, d]
-    scores = torch.matmul(per_row, tail_keys.transpose(-1, -2)) * scale + plan.tail_bias
-    top = torch.maximum(scores.amax(-1), lse_a)
-    weights = torch.exp(scores - top[..., None])
-    weight_a = torch.exp(lse_a - top)
-    total = weights.sum(-1) + weight_a
-    out = (out_a * weight_a[..., None] + torch.matmul(weights, tail_values)) / total[..., None]
+    scores = torch.matmul(per_row, tail_keys.transpose(-1, -2)).mul_(scale).add_(plan.tail_bias)
+    # part A as one more column whose score is its log-sum-exp: one softmax gives both parts' weights
+    weights = torch.softmax(torch.cat((lse_a.add_(plan.empty_a), scores), dim=-1), dim=-1)
+    out = torch.matmul(weights[..., 1:], tail_values).addcmul_(out_a, weights[..., :1])
     return out.permute(1, 0, 2, 3).reshape(rows, heads * dim)
 
 
