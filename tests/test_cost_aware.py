@@ -99,6 +99,29 @@ def test_depth_follows_observed_acceptance():
     assert good.propose(np.array([7]), 8).size == 5
 
 
+def test_deeper_depths_start_from_the_continuation_the_shallower_ones_show():
+    drafter = CostAwareDrafter(_Chain(), CPU_LIKE.cost)
+    assert np.allclose(drafter.rates(3), [0.5, 0.25, 0.125])  # fresh: one half, then the same chance per token
+    drafter._reached[1] = drafter._accepted[1] = 8.0  # 8 of 8 one-token drafts accepted
+    # r1 = (8 + 2 * 0.5) / (8 + 2) = 0.9; r2 = 0.9^2 / 1 = 0.81; r3 = 0.81^2 / 0.9 = 0.729 (no data below depth 1)
+    assert np.allclose(drafter.rates(3), [0.9, 0.81, 0.729])
+    drafter._reached[2] = 8.0  # 8 two-token drafts, none accepted its second token: the data outweighs the prior
+    assert np.allclose(drafter.rates(3), [0.9, 2 * 0.81 / 10, (2 * 0.81 / 10) ** 2 / 0.9])
+    failing = CostAwareDrafter(_Chain(), CPU_LIKE.cost)
+    failing._reached[1] = 8.0  # 0 of 8 accepted
+    assert np.allclose(failing.rates(3), [0.1, 0.01, 0.001])
+
+
+def test_a_new_generation_keeps_a_quarter_of_what_earlier_ones_taught():
+    drafter = CostAwareDrafter(_Chain(), CPU_LIKE.cost)
+    drafter._reached[1:3] = 8.0  # 8 drafts two deep: all first tokens accepted, no second one
+    drafter._accepted[1] = 8.0
+    drafter.begin(np.array([1, 2, 3]))
+    assert drafter._reached[1] == drafter._reached[2] == drafter._accepted[1] == 2.0
+    # r1 = (2 + 1) / (2 + 2) = 0.75; r2 = (0 + 2 * 0.75^2) / (2 + 2) = 0.28125, where the 8 stale trials held it at 0.162
+    assert np.allclose(drafter.rates(2), [0.75, 0.28125])
+
+
 def test_a_drafter_that_cannot_pay_never_runs(caplog):
     # 54 ms per drafted token against a 60 ms step: even with every token accepted, at best 1.015x (d = 8:
     # 9 * 60 / (8 * 54 + c(9) = 102.5)), under the 1.05x floor

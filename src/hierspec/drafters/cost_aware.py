@@ -15,8 +15,9 @@ every method that does not size its own trees:
 * never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if every draft token
   were accepted (a self-draft of 90 % of the target's layers on a CPU, say), and says so once.
 
-Rates start from a prior of one success in two trials and decay (:data:`DECAY` per step) so that they follow the
-text. Decisions read only the curves and the verdicts, never a clock, so a seeded sampled generation is
+Rates start from a prior of one success in two trials at depth 1 and, deeper, from the continuation the shallower
+depths show; they decay (:data:`DECAY` per step) so that they follow the text, and a new generation keeps
+:data:`CARRIED` of them. Decisions read only the curves and the verdicts, never a clock, so a seeded sampled generation is
 reproducible. Cutting or skipping a draft never changes the output: any tree is verified losslessly.
 """
 
@@ -44,6 +45,8 @@ _PRIOR_SHAPE = 1.0
 MAX_DEPTH = 64
 #: each step multiplies the acceptance counts by this: the rates follow roughly the last few hundred steps
 DECAY = 0.995
+#: weight kept, at the start of a generation, of the acceptance counts earlier generations left
+CARRIED = 0.25
 #: a drafter whose best case (every draft token accepted) gains less than this over plain decoding never drafts
 MIN_CEILING = 1.05
 
@@ -98,7 +101,11 @@ class CostAwareDrafter(Drafter):
         self.inner.prepare(sampling, generator)
 
     def begin(self, prompt: np.ndarray) -> None:
+        """A new generation: what earlier ones taught about acceptance is kept at :data:`CARRIED` of its weight (a
+        new text may suit the drafter better or worse, and depths the plan stopped trying would keep a stale rate)."""
         self.cut_steps = self.skipped_steps = 0
+        self._reached *= CARRIED
+        self._accepted *= CARRIED
         self.inner.begin(prompt)
 
     def draft_cost(self, tokens: int) -> float:
@@ -111,9 +118,20 @@ class CostAwareDrafter(Drafter):
     # ----------------------------------------------------------------- the plan
     def rates(self, deepest: int) -> np.ndarray:
         """Estimated chance of accepting at least ``d`` draft tokens given a draft that deep, ``d = 1..deepest``;
-        never higher at a depth than at the one above it (a depth rarely drafted keeps its prior otherwise)."""
-        rates = (self._accepted[1 : deepest + 1] + _PRIOR_HITS) / (self._reached[1 : deepest + 1] + _PRIOR_TRIALS)
-        return np.minimum.accumulate(rates)
+        never higher at a depth than at the one above it.
+
+        Depth 1 starts from one success in two trials; each deeper depth from the continuation its shallower rates
+        show (``r(d-1)² / r(d-2)``, ``r(0) = 1``: the same chance of going one token further), so a drafter whose
+        drafts pass 95 % of the time plans deep at once instead of earning each depth at a prior of one half, and one
+        that fails often plans shallow."""
+        rates = np.empty(deepest)
+        before, above = 1.0, 1.0  # r(d-2), r(d-1)
+        for d in range(1, deepest + 1):
+            prior = _PRIOR_HITS / _PRIOR_TRIALS if d == 1 else above * above / before
+            rate = min((self._accepted[d] + _PRIOR_TRIALS * prior) / (self._reached[d] + _PRIOR_TRIALS), above)
+            rates[d - 1] = rate
+            before, above = above, rate
+        return rates
 
     def shape(self, deepest: int) -> tuple[np.ndarray, np.ndarray]:
         """For depths ``1..deepest``: the chance that a draft asked to go that deep reaches it, and its expected
