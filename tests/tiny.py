@@ -87,12 +87,9 @@ def assert_tree_rows_equal_chains(target: TargetModel, trees: int = 6, seed: int
         target.prefill(cache, prompt[:-1])
         logits = target.forward_tree(cache, tree).logits
         for node in range(tree.size):
-            path = [node]
-            while tree.parents[path[-1]] >= 0:
-                path.append(int(tree.parents[path[-1]]))
-            tokens = [int(tree.tokens[i]) for i in reversed(path)]
+            drafts = tree.sequence(node)
             cache = target.new_cache()
             target.prefill(cache, prompt[:-1])
-            chain = build_tree(tokens[0], [tokens[1:]]) if len(tokens) > 1 else root_only(tokens[0])
+            chain = build_tree(prompt[-1], [drafts]) if drafts else root_only(prompt[-1])
             assert torch.equal(target.forward_tree(cache, chain).logits[-1], logits[node]), f"node {node}"
     assert branched == trees

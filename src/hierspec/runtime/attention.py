@@ -58,6 +58,11 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a boolean mask (True = attend): 0 where allowed, ``-inf`` elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -torch.inf)
+
+
 def _pad_queries(query: torch.Tensor, mask: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and mask padded to a multiple of ``multiple`` rows with zero queries that attend every key (their
     outputs are dropped)."""

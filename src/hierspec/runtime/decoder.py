@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hierspec.runtime.attention import tree_attention
+from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Projection, Int4Weight
@@ -158,9 +158,7 @@ class LlamaFamilyDecoder:
             if exact else None
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
         segments = [] if slots is not None else segments if exact else [
-            Segment(s.start, s.stop, torch.zeros(s.mask.shape, dtype=self.embedding.dtype,
-                                                 device=s.mask.device).masked_fill_(~s.mask, -torch.inf), s.cache)
-            for s in segments]
+            Segment(s.start, s.stop, additive_mask(s.mask, self.embedding.dtype), s.cache) for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)

@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from hierspec.runtime.attention import QUERY_ROW_MULTIPLE
+from hierspec.runtime.attention import QUERY_ROW_MULTIPLE, additive_mask
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,12 @@ class ExactPlan:
         index[row, place], valid[row, place] = slot, True
         folded = -(-groups * rows // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE
         additive = torch.full((folded, width), -torch.inf, dtype=dtype, device=device)
-        additive[: groups * rows] = _additive(part_a, dtype).repeat(groups, 1)
+        additive[: groups * rows] = additive_mask(part_a, dtype).repeat(groups, 1)
         additive[groups * rows :, 0] = 0.0  # padding rows attend one key: finite, dropped
-        self.rows, self.groups = rows, groups
         self.mask_a = additive[None, None]
         self.index = index.reshape(-1)
-        self.tail_bias = _additive(valid, dtype)[None, :, None, :]
-        self.empty_a = _additive(part_a.any(-1), dtype)[None, :, None, None]
+        self.tail_bias = additive_mask(valid, dtype)[None, :, None, :]
+        self.empty_a = additive_mask(part_a.any(-1), dtype)[None, :, None, None]
         held = part_a.sum(-1)
         prefix_end = torch.where(part_a.any(-1), width - part_a.flip(-1).long().argmax(-1), 0)
         self.deep_branches = int((held != prefix_end).sum())
@@ -106,10 +105,6 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     weights = torch.softmax(torch.cat((lse_a.add_(plan.empty_a), scores), dim=-1), dim=-1)
     out = torch.matmul(weights[..., 1:], tail_values).addcmul_(out_a, weights[..., :1])
     return out.permute(1, 0, 2, 3).reshape(rows, heads * dim)
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -torch.inf)
 
 
 @functools.lru_cache(maxsize=1)

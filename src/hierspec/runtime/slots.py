@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hierspec.runtime.attention import QUERY_ROW_MULTIPLE
+from hierspec.runtime.attention import QUERY_ROW_MULTIPLE, additive_mask
 from hierspec.runtime.kv_cache import GrowableLayer, TreeCache, doubled_capacity, regrown
 
 
@@ -156,7 +156,7 @@ def plan_slot_batch(caches: Sequence[SlotCache], bounds: Sequence[tuple[int, int
         scatter[start:stop] = torch.arange(local * per_slot, local * per_slot + n)
         slot_index[start:stop] = cache.slot
         position_index[start:stop] = torch.arange(past, past + n)
-        own = torch.zeros((n, mask.shape[-1]), dtype=dtype, device=device).masked_fill_(~mask[0, 0, :n], -torch.inf)
+        own = additive_mask(mask[0, 0, :n], dtype)
         block = additive[local, 0, : groups * per_slot].view(groups, per_slot, width)
         block[:, :n, : mask.shape[-1]] = own
         block[:, :n, mask.shape[-1] :] = -torch.inf
