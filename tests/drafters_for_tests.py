@@ -80,10 +80,10 @@ class TableLM:
     once per pair from a seeded generator. Losslessness must hold for any draft distribution, so statistical tests
     can use it where a real model's Python overhead would dominate their run time."""
 
-    def __init__(self, vocab: int, seed: int, scale: float = 2.0) -> None:
+    def __init__(self, vocab: int, seed: int, scale: float = 2.0, step_ms: float = 0.0) -> None:
         import types
 
-        self.vocab, self.seed, self.scale = vocab, seed, scale
+        self.vocab, self.seed, self.scale, self.step_ms = vocab, seed, scale, step_ms
         self.model = types.SimpleNamespace(name=f"table-{seed}")
         self._rows: dict = {}
         self.forwards = 0

@@ -49,6 +49,12 @@ class Drafter(ABC):
         serving): they hold ``rows`` rows and are expected to add ``tokens`` tokens. Drafters that size their trees
         by cost then maximise the tokens per millisecond of the whole forward; alone, ``(0, 0)``."""
 
+    def use_window(self, window) -> bool:
+        """Offered once by the cost-aware wrapper: a drafter that drafts token by token (a draft model, HSDDW's
+        middle model) keeps the :class:`~hierspec.drafters.token_window.TokenWindow`, reports each drafted token's
+        confidence to it and drafts further only while it says so; returns whether it does (not by default)."""
+        return False
+
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
         """Learn from a verification result; ``context`` already includes the accepted and bonus tokens."""
 

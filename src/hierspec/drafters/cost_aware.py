@@ -10,6 +10,8 @@ every method that does not size its own trees:
 * plans the depth before drafting (tree widths estimated from the trees seen so far) and does not call the drafter
   at all when the plan is 0 — a draft model that cannot pay never runs;
 * cuts the proposed tree to the depth with the most expected tokens per millisecond (drafting is spent by then);
+* lets a drafter that drafts token by token (a draft model, HSDDW's middle model) decide its own length with a
+  :class:`~hierspec.drafters.token_window.TokenWindow` instead, the same rule read with each token's confidence;
 * explores one level deeper than planned every ``explore_every``-th step, backing off (the interval doubles up to
   ``max_explore_every``) while exploring finds nothing, so the rates keep learning at a bounded cost;
 * never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if every draft token
@@ -34,6 +36,7 @@ from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
+from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, root_only
 
 log = logging.getLogger(__name__)
@@ -79,12 +82,15 @@ class CostAwareDrafter(Drafter):
         self._next_explore = explore_every
         self._steps = 0
         self._depth = 0
+        self._planned = 0
         self._exploring = False
         self._proposed = False
         self._ceiling: float | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
         self.cut_steps = 0
         self.skipped_steps = 0
+        window = TokenWindow(self.cost, inner.draft_cost)
+        self.window = window if inner.use_window(window) else None
 
     @property
     def verifier_topk(self) -> int:
@@ -106,6 +112,9 @@ class CostAwareDrafter(Drafter):
         self.cut_steps = self.skipped_steps = 0
         self._reached *= CARRIED
         self._accepted *= CARRIED
+        if self.window is not None:
+            self.window.rates.keep(CARRIED)
+            self.window.stops = 0
         self.inner.begin(prompt)
 
     def draft_cost(self, tokens: int) -> float:
@@ -181,10 +190,17 @@ class CostAwareDrafter(Drafter):
             planned = min(planned + 1, budget)
             self._next_explore = self._steps + self._backoff.interval
         self._proposed = planned > 0
+        self._planned = planned
         if not self._proposed:
             self.skipped_steps += 1
             self._depth = 0
             return root_only(int(context[-1]))
+        if self.window is not None:  # the drafter stops token by token, by its tokens' confidence
+            self.window.start(*self._shared)
+            tree = self.inner.propose(context, budget)
+            self._learn_shape(tree, budget)
+            self._depth = int(tree.depths.max())
+            return tree
         # a drafter that pays per drafted token drafts only what is planned; retrieval returns what it finds
         asked = planned if self.draft_cost(1) > 0 else budget
         tree = self.inner.propose(context, asked)
@@ -214,14 +230,19 @@ class CostAwareDrafter(Drafter):
         self._accepted *= DECAY
         self._reached[1 : depth + 1] += 1
         self._accepted[1 : accepted + 1] += 1
+        if self.window is not None:
+            self.window.learn(depth, accepted)
         if self._exploring:
-            self._backoff.record(found=0 < depth <= accepted)
+            # found: the explored depth was reached and accepted (a window may have drafted past it)
+            self._backoff.record(found=0 < min(depth, self._planned) <= accepted)
 
     def finish(self, context: np.ndarray) -> None:
         self.inner.finish(context)
 
     def report(self) -> dict:
-        return {**self.inner.report(), "cost_cut_steps": self.cut_steps, "cost_skipped_steps": self.skipped_steps}
+        window = {"window_stops": self.window.stops} if self.window is not None else {}
+        return {**self.inner.report(), "cost_cut_steps": self.cut_steps, "cost_skipped_steps": self.skipped_steps,
+                **window}
 
     def problems(self) -> list[str]:
         return self.inner.problems()

@@ -24,6 +24,7 @@ from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.registry import register
+from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, chain, root_only
 
 DRAFT_SOURCE = "draft"
@@ -91,15 +92,19 @@ class SampledDraft:
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.sampling, self.generator = sampling, generator
 
-    def draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """A token, the distribution it was drawn from (``None`` when greedy) and that distribution's entropy.
+    def draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float, float]:
+        """A token, the distribution it was drawn from (``None`` when greedy), that distribution's entropy and the
+        token's probability in it.
 
-        Greedy drafting has no distribution to verify against; its confidence is the entropy of the plain softmax.
+        Greedy drafting has no distribution to verify against; its confidence is read from the plain softmax.
         """
         if self.sampling.greedy:
-            return int(logits.argmax()), None, entropy(torch.softmax(logits.to(torch.float64), dim=-1))
+            probs = torch.softmax(logits.to(torch.float64), dim=-1)
+            token = int(probs.argmax())
+            return token, None, entropy(probs), float(probs[token])
         q = warp_probs(logits, self.sampling)
-        return sample_token(q, self.generator), q, entropy(q)
+        token = sample_token(q, self.generator)
+        return token, q, entropy(q), float(q[token])
 
 
 class DraftModelDrafter(Drafter):
@@ -114,9 +119,14 @@ class DraftModelDrafter(Drafter):
         self.sampler = SampledDraft()
         self._entropies: list[float] = []
         self.windows: list[int] = []
+        self.window: TokenWindow | None = None
 
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.sampler.prepare(sampling, generator)
+
+    def use_window(self, window: TokenWindow) -> bool:
+        self.window = window
+        return True
 
     def begin(self, prompt: np.ndarray) -> None:
         self.lm.reset()
@@ -125,18 +135,22 @@ class DraftModelDrafter(Drafter):
         self._entropies = []
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
-        window = min(self.config.k, budget)
+        most = min(self.config.k, budget)
         self._entropies = []
-        if window <= 0:
+        if most <= 0:
             return root_only(int(context[-1]))
         tokens, dists = [], []
         logits = self.lm.next_logits(context)
         while True:
-            token, q, h = self.sampler.draw(logits)
+            token, q, h, confidence = self.sampler.draw(logits)
             tokens.append(token)
             dists.append(q)
             self._entropies.append(h)
-            if len(tokens) == window or (self.config.self_verify and not self.threshold.confident(h)):
+            if self.window is not None:
+                self.window.add(confidence)
+            if len(tokens) == most or (self.config.self_verify and not self.threshold.confident(h)):
+                break
+            if self.window is not None and not self.window.worth_more():
                 break
             logits = self.lm.next_logits(np.append(context, tokens))
         self.windows.append(len(tokens))

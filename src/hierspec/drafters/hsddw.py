@@ -43,6 +43,7 @@ from hierspec.drafters.draft_model import (
     given_model,
 )
 from hierspec.drafters.registry import build_drafter, register
+from hierspec.drafters.token_window import TokenWindow
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, chain, root_only
 
@@ -81,7 +82,12 @@ class HSDDWDrafter(Drafter):
         self._sampling = SamplingConfig()
         self._generator = torch.Generator()
         self._entropies: list[float] = []
+        self.window: TokenWindow | None = None
         self._reset_counts()
+
+    def use_window(self, window: TokenWindow) -> bool:
+        self.window = window
+        return True
 
     def _reset_counts(self) -> None:
         self.counts = {"first_drafted": 0, "first_accepted": 0, "middle_tokens": 0, "rounds": 0}
@@ -126,12 +132,17 @@ class HSDDWDrafter(Drafter):
             # the token after node i is distributed as M2's (warped) distribution at node i
             for node, token, source in zip((0, *verdict.path), verdict.accepted_tokens, round_sources):
                 row = None if self._sampling.greedy else warp_probs(logits[node], self._sampling)
-                h = entropy(row if row is not None else torch.softmax(logits[node], dim=-1))
+                probs = row if row is not None else torch.softmax(logits[node], dim=-1)
+                h = entropy(probs)
                 tokens.append(token)
                 sources.append(source)
                 dists.append(row)
                 self._entropies.append(h)
                 confident = confident and self.threshold.confident(h)
+                if self.window is not None:
+                    self.window.add(float(probs[token]))
+            if confident and self.window is not None and len(tokens) < limit:
+                confident = self.window.worth_more()  # HSDDW's stop and the tokens-per-millisecond rule together
             self.counts["rounds"] += 1
             self.counts["first_drafted"] += proposal.num_drafted
             self.counts["first_accepted"] += len(verdict.path)
