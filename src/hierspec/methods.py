@@ -92,15 +92,16 @@ class DrafterContext:
         raise InputError(f"method {method!r} needs a {kind!r} datastore: pass --datastore DIR "
                          f"(build one with `hierspec datastore build --kind {kind}`)")
 
-    def optional_datastore(self, kind: str) -> str | None:
-        """A given datastore of ``kind``, else the default location's one for this tokenizer, else ``None``."""
+    def optional_datastore(self, kind: str, default_name: str | None = None) -> str | None:
+        """A given datastore of ``kind``, else the default location's one for this tokenizer (its directory
+        ``default_name``, by default the kind's name), else ``None``."""
         for path in self.datastores:
             if read_header(path).get("kind") == kind:
                 return path
         fingerprint, _ = self.fingerprint()
         if not self.find_default_stores:
             return None
-        candidate = default_store_dir(fingerprint, self.store_root) / kind
+        candidate = default_store_dir(fingerprint, self.store_root) / (default_name or kind)
         return str(candidate) if (candidate / "header.json").is_file() else None
 
     def verification_cost(self) -> Callable[[int], float]:

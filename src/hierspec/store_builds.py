@@ -182,27 +182,45 @@ def build_model(request: BuildRequest) -> dict:
                              prompt_source=", ".join(request.prompts))
 
 
+#: the suffix stores ``--preset default`` builds: directory under the store root, corpus preset, and whether its
+#: documents are indexed as assistant turns of the chat template (ShareGPT answers) or as they are (source files)
+DEFAULT_SUFFIX_STORES = (("suffix", "sharegpt", True), ("code", "python-stdlib", False))
+
+
 def build_default(request: BuildRequest) -> dict:
-    """``--preset default``: a ShareGPT suffix store and a model store of ShareGPT prompts, for one model."""
+    """``--preset default``: for one model, a suffix store of ShareGPT answers (``suffix/``, read by ``hd`` and
+    ``rest``), one of the Python standard library's sources (``code/``, ``rest:corpus=code``) and a model store of
+    its own answers to ShareGPT prompts (``model/``)."""
     target = load_model(config=request.model)
     root = Path(request.out_dir) if request.out_dir else default_store_dir(target.tokenizer_fingerprint)
-    (sharegpt, _), = preset_inputs("sharegpt")
+    return build_default_stores(target, root, request)
+
+
+def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
+    """The default stores of a loaded model under ``root``; stores already there are kept unless ``overwrite``
+    (the model store resumes an interrupted build). Returns their headers by directory name."""
     config = request.model_store or DEFAULT_MODEL_STORE
     print(f"building the default stores for {target.name} in {root}:\n"
           f"  1. suffix store of ShareGPT answers (about 20 M tokens; ~1 minute)\n"
-          f"  2. model store: the model answers {config.limit} ShareGPT prompts, up to {config.max_new_tokens} "
+          f"  2. suffix store of the Python standard library's sources (about 9 M tokens; under a minute)\n"
+          f"  3. model store: the model answers {config.limit} ShareGPT prompts, up to {config.max_new_tokens} "
           f"tokens each; estimated {estimate_minutes(target, config):.0f} minutes on this machine", flush=True)
     headers = {}
-    suffix_dir = root / SUFFIX_KIND
-    if (suffix_dir / "header.json").is_file() and not request.overwrite:
-        print(f"  {suffix_dir} exists; kept (pass --overwrite to rebuild)", flush=True)
-        headers[SUFFIX_KIND] = read_header(suffix_dir)
-    else:
-        headers[SUFFIX_KIND] = build_suffix_store(
-            map(assistant_turn_renderer(target.tokenizer), iter_documents(sharegpt, "sharegpt")), target.tokenizer,
-            target.name, target.tokenizer_fingerprint, suffix_dir, request.suffix, sources=[f"sharegpt:{sharegpt}"],
-            overwrite=request.overwrite,
+    for name, preset, as_answers in DEFAULT_SUFFIX_STORES:
+        directory = root / name
+        if (directory / "header.json").is_file() and not request.overwrite:
+            print(f"  {directory} exists; kept (pass --overwrite to rebuild)", flush=True)
+            headers[name] = read_header(directory)
+            continue
+        inputs = preset_inputs(preset)
+        documents = chain.from_iterable(iter_documents(path, fmt) for path, fmt in inputs)
+        if as_answers:
+            documents = map(assistant_turn_renderer(target.tokenizer), documents)
+        headers[name] = build_suffix_store(
+            documents, target.tokenizer, target.name, target.tokenizer_fingerprint, directory, request.suffix,
+            sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite,
         )
+    (sharegpt, _), = preset_inputs("sharegpt")
     prompts = select_prompts(iter_prompts(sharegpt), _excluded(request), english_only=True)
     headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
                                             overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")

@@ -18,6 +18,10 @@ from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, root_only
 
 
+#: rest's ``corpus`` option: the directory of that default store under the model's store root
+DEFAULT_STORES = {"chat": "suffix", "code": "code"}
+
+
 @dataclass(frozen=True)
 class RestConfig:
     """REST retrieval settings (the paper's defaults).
@@ -31,6 +35,8 @@ class RestConfig:
         min_share: drop trie nodes that fewer than this share of the retrieved continuations start with; when no node
             is left the step drafts nothing (a plain one-token forward). 0 keeps the paper's behaviour. On a CPU,
             where verifying any draft costs ~1.5x a plain step, low-confidence drafts cost more than they save.
+        corpus: which of the model's default stores (``hierspec datastore build --preset default``) to read when no
+            suffix store is given with ``--datastore``: ``chat`` (ShareGPT answers) or ``code`` (Python sources).
     """
 
     n_max: int = 16
@@ -39,6 +45,7 @@ class RestConfig:
     m: int = 10
     c: int = 64
     min_share: float = 0.0
+    corpus: str = "chat"
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
@@ -47,6 +54,8 @@ class RestConfig:
             raise InputError("rest needs k, m and c >= 1")
         if not 0.0 <= self.min_share <= 1.0:
             raise InputError("rest needs 0 <= min_share <= 1")
+        if self.corpus not in DEFAULT_STORES:
+            raise InputError(f"rest corpus={self.corpus!r}: use {' or '.join(DEFAULT_STORES)}")
 
 
 def top_trie_nodes(rows: np.ndarray, c: int, min_count: int = 0) -> list[np.ndarray]:
@@ -132,11 +141,18 @@ class RestDrafter(Drafter):
         return build_tree(root, sequences, sources=[self.name] * len(sequences), budget=limit)
 
 
-@register("rest", RestConfig, summary="REST: retrieval from a suffix-array datastore (--datastore)")
+@register("rest", RestConfig, summary="REST: retrieval from a suffix-array datastore (--datastore, else the "
+                                     "model's default store)")
 def build_rest(options: RestConfig, written: dict[str, str], context) -> RestDrafter:
-    """``rest:n_max=16,n_min=2,k=5000,m=10,c=64,min_share=0`` over the given suffix store."""
+    """``rest:n_max=16,n_min=2,k=5000,m=10,c=64,min_share=0,corpus=chat`` over the given suffix store, else the
+    default store ``corpus`` names."""
     fingerprint, name = context.fingerprint()
-    path = context.datastore("suffix", "rest")
+    path = context.optional_datastore("suffix", DEFAULT_STORES[options.corpus])
+    if path is None:
+        raise InputError(f"method 'rest' needs a 'suffix' datastore: pass --datastore DIR (build one with "
+                         f"`hierspec datastore build --kind suffix`), or build this model's default stores, "
+                         f"{DEFAULT_STORES[options.corpus]}/ among them (`make stores MODEL=...`, that is "
+                         f"`hierspec datastore build --preset default --model ...`)")
     store = context.shared(("suffix", path), lambda: SuffixStore.open(path, fingerprint=fingerprint,
                                                                      tokenizer_name=name))
     return RestDrafter(store, options)
