@@ -213,7 +213,14 @@ def test_sd_methods_parse_their_options(target):
     with pytest.raises(InputError, match="self:K"):
         make_drafter("sd:draft=self:x", DrafterContext(target))
     assert make_drafter("sd:draft=self:0.5,budget=off", DrafterContext(target)).lm.model.model.config.num_hidden_layers == 2
-    assert isinstance(make_drafter("hsddw", DrafterContext(target, draft_model="self:1")).inner.first, DraftModelDrafter)
+    # --draft-model alone is HSDDW's middle level under prompt lookup; with --middle-model (or first=sd) its first
+    pair = make_drafter("hsddw", DrafterContext(target, draft_model="self:1")).inner
+    assert isinstance(pair.first, PromptLookupDrafter) and pair.middle.model.model.config.num_hidden_layers == 1
+    both = make_drafter("hsddw", DrafterContext(target, draft_model="self:1", middle_model="self:3")).inner
+    assert isinstance(both.first, DraftModelDrafter) and both.first.lm.model.model.config.num_hidden_layers == 1
+    assert both.middle.model.model.config.num_hidden_layers == 3
+    first_sd = make_drafter("hsddw:first=sd,middle=self:2", DrafterContext(target, draft_model="self:1")).inner
+    assert isinstance(first_sd.first, DraftModelDrafter) and first_sd.middle.model.model.config.num_hidden_layers == 2
     assert isinstance(make_drafter("hsddw", DrafterContext(target)).inner.first, PromptLookupDrafter)
     with pytest.raises(InputError, match="first drafter"):
         make_drafter("hsddw:first=ar", DrafterContext(target))

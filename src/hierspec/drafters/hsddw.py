@@ -187,9 +187,10 @@ class HsddwOptions:
     """``hsddw`` options: the first drafter (``sd`` = a draft model, or a retrieval method name), the two models,
     the first drafter's window and threshold, and the middle model's threshold and block size.
 
-    Defaults measured on SmolLM2 (BENCHMARKS.md): prompt lookup first (free to run) and 90 % of the target's layers
-    as the middle model; with ``--draft-model`` (or ``first=sd``) the first level is a draft model, by default two
-    thirds of the target's layers.
+    Defaults (BENCHMARKS.md): prompt lookup first (free to run) and 90 % of the target's layers as the middle model.
+    ``--draft-model`` alone makes that draft model the middle level under prompt lookup (the paper's three levels;
+    the fastest setting measured with Qwen2.5-Coder 0.5B for 1.5B); with ``--middle-model`` too, or ``first=sd``, the
+    draft model is the first level instead (by default two thirds of the target's layers).
     """
 
     first: str = "pld"
@@ -207,8 +208,11 @@ FIRST_DRAFTERS = ("pld", "rest", "hd", "dense")
 
 @register("hsddw", HsddwOptions, summary="HSDDW: a first drafter, a pre-verifying middle model, then the target")
 def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDDWDrafter:
-    """``hsddw:first=pld,middle=self:0.9,...``; ``--draft-model`` makes the first level a draft model."""
-    first_name = options.first if "first" in written or not context.draft_model else "sd"
+    """``hsddw:first=pld,middle=self:0.9,...``; ``--draft-model`` alone is the middle model, with ``--middle-model``
+    the first level."""
+    middle_named = bool(written.get("middle") or context.middle_model)
+    draft_as_middle = bool(context.draft_model) and not middle_named and "first" not in written
+    first_name = options.first if "first" in written or draft_as_middle or not context.draft_model else "sd"
     if first_name == "sd":
         draft = given_model(written, "draft", context.draft_model, options.draft)
         first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
@@ -218,5 +222,7 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
     else:
         raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
                          f"{first_name!r}")
-    middle = context.load_draft_lm(given_model(written, "middle", context.middle_model, options.middle), "hsddw")
+    middle_spec = context.draft_model if draft_as_middle else given_model(written, "middle", context.middle_model,
+                                                                          options.middle)
+    middle = context.load_draft_lm(middle_spec, "hsddw")
     return HSDDWDrafter(first, middle, HSDDWConfig(tau=options.tau, max_block=options.max_block))
