@@ -176,6 +176,7 @@ def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(targ
     request = store_builds.BuildRequest(kind="suffix", out_dir=None,
                                         model_store=ModelStoreConfig(max_new_tokens=3, limit=2, batch_size=2))
     headers = store_builds.build_default_stores(target, root, request)
+    assert "generating 2 answers: estimated" in capsys.readouterr().out  # timed on the batched path
     assert set(headers) == {"suffix", "code", "model"}
     assert headers["suffix"]["kind"] == headers["code"]["kind"] == "suffix" and headers["model"]["num_prompts"] == 2
     code = SuffixStore.open(root / "code", target.tokenizer_fingerprint)
@@ -192,3 +193,10 @@ def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(targ
         make_drafter("rest:corpus=web", context)
     with pytest.raises(InputError, match="needs a 'suffix' datastore"):
         make_drafter("rest", DrafterContext(target, store_root=str(tmp_path / "none")))
+
+
+def test_the_generation_estimate_counts_padded_prefill_and_one_decode_per_batch():
+    # lengths 10, 7, 5, 2 two at a time: batches (10, 7) and (5, 2), prefilled as 2 x 10 and 2 x 5 tokens
+    seconds = store_builds.batched_seconds([5, 10, 2, 7], rows=2, new_tokens=3, per_token=0.5, per_step=2.0)
+    assert seconds == (2 * 10 + 2 * 5) * 0.5 + 2 * 3 * 2.0
+    assert store_builds.batched_seconds([4, 4, 4], rows=2, new_tokens=1, per_token=1.0, per_step=1.0) == 12 + 2

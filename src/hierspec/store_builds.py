@@ -53,7 +53,6 @@ from hierspec.jsonl import iter_jsonl
 from hierspec.loading import load_tokenizer, tokenizer_fingerprint
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import load_model
-from hierspec.tree import build_tree
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +203,7 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
           f"  1. suffix store of ShareGPT answers (about 20 M tokens; ~1 minute)\n"
           f"  2. suffix store of the Python standard library's sources (about 9 M tokens; under a minute)\n"
           f"  3. model store: the model answers {config.limit} ShareGPT prompts, up to {config.max_new_tokens} "
-          f"tokens each; estimated {estimate_minutes(target, config):.0f} minutes on this machine", flush=True)
+          f"tokens each (its time estimate is printed when it starts)", flush=True)
     headers = {}
     for name, preset, as_answers in DEFAULT_SUFFIX_STORES:
         directory = root / name
@@ -227,23 +226,33 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
     return headers
 
 
-def estimate_minutes(target, config: ModelStoreConfig, steps: int = 4) -> float:
-    """Rough time to generate a model store, from timed forwards of ``batch_size`` rows: a batch runs until its
-    longest answer ends, about ``max_new_tokens`` steps (tqdm's ETA refines the estimate while generating)."""
+def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width: int = 16, steps: int = 4) -> float:
+    """Rough minutes to answer prompts of these token lengths with batched greedy generation, from two timed runs
+    of the same path on ``batch_size`` filler prompts of ``width`` tokens (1 and ``1 + steps`` new tokens): prefill
+    costs each batch its rows times its longest prompt (rows are left-padded), and a batch decodes until its longest
+    answer ends, about ``max_new_tokens`` steps (tqdm's ETA refines the estimate while generating)."""
     rows = max(1, config.batch_size)
-    cache = target.new_cache()
-    ids = target.encode_prompt("Hello")
-    target.prefill(cache, ids[:-1])
-    past = cache.get_seq_length()
-    tree = build_tree(ids[-1], [ids[:1] * (rows - 1)] if rows > 1 else [])
-    start = time.perf_counter()
-    for _ in range(steps):
-        target.forward_tree(cache, tree)
-        target.keep_path(cache, past, [0])
-    target.synchronize()
-    per_step = (time.perf_counter() - start) / steps
-    batches = -(-(config.limit or 1) // rows)
-    return batches * config.max_new_tokens * per_step / 60
+    filler = (target.encode_prompt("Hello") * width)[:width]
+
+    def timed(new_tokens: int) -> float:
+        start = time.perf_counter()
+        for _ in generate_greedy_batches(target, [filler] * rows, new_tokens, rows):
+            pass
+        target.synchronize()
+        return time.perf_counter() - start
+
+    prefill = timed(1)
+    per_step = max(timed(1 + steps) - prefill, 0.0) / steps
+    return batched_seconds(lengths, rows, config.max_new_tokens, prefill / (rows * width), per_step) / 60
+
+
+def batched_seconds(lengths: list[int], rows: int, new_tokens: int, per_token: float, per_step: float) -> float:
+    """Seconds to answer prompts of these lengths ``rows`` at a time, longest first: each batch prefills its rows
+    times its longest prompt at ``per_token`` and decodes ``new_tokens`` steps at ``per_step``."""
+    ordered = sorted(lengths, reverse=True)  # the batches generate_greedy_batches forms
+    batches = [ordered[i : i + rows] for i in range(0, len(ordered), rows)]
+    padded = sum(len(batch) * batch[0] for batch in batches)
+    return padded * per_token + len(batches) * new_tokens * per_step
 
 
 def _excluded(request: BuildRequest) -> list[str]:
@@ -364,6 +373,10 @@ def generate_missing(target, prompts: list[str], path: Path, done: dict[int, dic
         except InputError as exc:
             log.info("prompt %d skipped: %s", index, exc)
             encoded[index] = None
+    lengths = [len(ids) for ids in encoded.values() if ids is not None]
+    if lengths and config.batch_size > 1:
+        print(f"generating {len(lengths)} answers: estimated {estimate_minutes(target, lengths, config):.1f} minutes "
+              f"on this machine", flush=True)
     bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="generating", unit="prompt")
     tokens = sum(len(r["token_ids"]) for r in done.values())
     with open(path, "a", encoding="utf-8") as handle:
