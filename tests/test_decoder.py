@@ -29,8 +29,10 @@ def _mistral(dtype=torch.float64):
 
 
 def _pair(model, runtime: str = "auto") -> tuple[TargetModel, TargetModel]:
-    """The same weights behind the owned decoder and behind transformers' modules."""
-    owned = TargetModel(model, make_tokenizer(VOCAB), "owned", RuntimeConfig(kind=runtime))
+    """The same weights behind the owned decoder and behind transformers' modules, both attending with PyTorch's
+    attention, so that float32 comparisons see the decoder's own arithmetic (exact attention's, the default, is
+    compared with it in ``tests/test_exact_attention.py``)."""
+    owned = TargetModel(model, make_tokenizer(VOCAB), "owned", RuntimeConfig(kind=runtime, attention="sdpa"))
     stock = TargetModel(copy.deepcopy(model), make_tokenizer(VOCAB), "stock",
                         RuntimeConfig(kind=runtime, decoder="transformers"))
     assert owned.runtime.decoder is not None and stock.runtime.decoder is None

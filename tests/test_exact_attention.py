@@ -117,7 +117,8 @@ def test_packed_runtime_tree_rows_equal_their_paths_verified_as_chains():
 
 
 def test_exact_attention_keeps_greedy_output_and_is_close_to_sdpa():
-    exact, sdpa = _target(kind="packed", attention="exact"), _target(kind="packed")
+    exact, sdpa = _target(kind="packed", attention="exact"), _target(kind="packed", attention="sdpa")
+    assert exact.runtime.exact and not sdpa.runtime.exact
     prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
     cache_a, cache_b = exact.new_cache(), sdpa.new_cache()
     exact.prefill(cache_a, prompt[:-1])
@@ -152,3 +153,12 @@ def test_exact_attention_needs_the_owned_decoder():
         _target(attention="exact", decoder="transformers")
     with pytest.raises(InputError, match="unknown attention"):
         RuntimeConfig(attention="fast")
+
+
+def test_exact_attention_is_the_default_wherever_it_can_run():
+    """``auto``: sdpa flipped near-ties against plain decoding on a Zen 4 (BENCHMARKS.md), so exact is the default
+    on hierspec's own CPU decoder, and PyTorch's attention where that decoder does not run."""
+    own = _target(kind="packed")
+    assert own.runtime.exact and own.runtime.describe()["attention"] == "exact"
+    stock = _target(decoder="transformers")
+    assert not stock.runtime.exact and stock.runtime.describe()["attention"] == "sdpa"

@@ -156,7 +156,8 @@ def test_owned_decoder_matches_transformers_modules_on_smollm2(model):
         cache = target.new_cache()
         target.prefill(cache, prompt[:-1])
         logits.append(target.forward_tree(cache, tree).logits)
-    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+    # the default exact attention sums in another order than PyTorch's: float32 rounding, never another argmax
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 

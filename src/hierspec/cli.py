@@ -26,10 +26,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "weights with --dtype auto, else prepacked oneDNN linears where available), int4, packed "
                             "(dequantized weights), graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
                             "linears; no second copy of the weights)")
-    group.add_argument("--attention", default="sdpa", choices=["sdpa", "exact"],
-                       help="tree attention: sdpa (PyTorch's; a node of a second branch may differ from plain "
-                            "decoding in the last bits) or exact (every tree row bit-identical to plain decoding, "
-                            "at a cost per forward; hierspec's own decoder on the CPU)")
+    group.add_argument("--attention", default="auto", choices=["auto", "sdpa", "exact"],
+                       help="tree attention: exact (every tree row bit-identical to plain decoding, at a cost per "
+                            "forward; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
+                            "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
+                            "it can run)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

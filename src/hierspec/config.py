@@ -118,9 +118,10 @@ class ModelConfig:
             else prepacked oneDNN linears where they work), ``"int4"`` (the GGUF file's weights, an error where that
             path cannot run), ``"packed"`` (dequantized weights, prepacked; an error where packing is unavailable),
             ``"graphs"`` (static KV cache and CUDA graphs) or ``"eager"``.
-        attention: ``"sdpa"`` (PyTorch's attention: chains bit-exact, nodes of other branches may differ in the last
-            bits) or ``"exact"`` (every tree row bit-identical to plain decoding; costs more per forward, BENCHMARKS.md
-            "Exact tree attention"; hierspec's own decoder on the CPU only).
+        attention: ``"auto"`` (``"exact"`` wherever hierspec's own decoder runs on the CPU, else ``"sdpa"``),
+            ``"sdpa"`` (PyTorch's attention: chains bit-exact, nodes of other branches may differ in the last bits) or
+            ``"exact"`` (every tree row bit-identical to plain decoding; costs more per forward, BENCHMARKS.md "Exact
+            tree attention"; hierspec's own decoder on the CPU only).
     """
 
     spec: str | None = None
@@ -130,13 +131,13 @@ class ModelConfig:
     cache_dir: str | None = None
     local_files_only: bool = False
     runtime: str = "auto"
-    attention: str = "sdpa"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
-        if self.attention not in {"sdpa", "exact"}:
-            raise InputError(f"unknown attention {self.attention!r}: use sdpa or exact")
+        if self.attention not in {"auto", "sdpa", "exact"}:
+            raise InputError(f"unknown attention {self.attention!r}: use auto, sdpa or exact")
         if self.dtype not in {"auto", "float32", "float64", "bfloat16", "float16"}:
             raise InputError(f"unknown dtype {self.dtype!r}: use auto, float32, float64, bfloat16 or float16")
         if not (self.device in {"auto", "cpu", "cuda"} or self.device.startswith("cuda:")):

@@ -43,7 +43,7 @@ from hierspec.runtime.slots import SlotPool
 log = logging.getLogger(__name__)
 
 RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
-ATTENTIONS = ("sdpa", "exact")
+ATTENTIONS = ("auto", "sdpa", "exact")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
@@ -76,9 +76,10 @@ class RuntimeConfig:
         gguf: the GGUF file the model was loaded from, whose quantized blocks the ``int4`` path multiplies;
             ``None``: the loaded (dequantized) weights only.
         gguf_cache: a directory where the decoded blocks are cached (the file's converted-weights directory).
-        attention: ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact) or ``"exact"``
-            (:mod:`~hierspec.runtime.exact_attention`: every tree row bit-identical to plain decoding; needs
-            hierspec's own decoder, an error otherwise).
+        attention: ``"auto"`` (``"exact"`` wherever hierspec's own decoder runs on the CPU, else ``"sdpa"``),
+            ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact, other branches' nodes may differ in the
+            last bits, which flipped near-ties on a Zen 4) or ``"exact"`` (:mod:`~hierspec.runtime.exact_attention`:
+            every tree row bit-identical to plain decoding; needs hierspec's own decoder, an error otherwise).
     """
 
     kind: str = "auto"
@@ -86,7 +87,7 @@ class RuntimeConfig:
     decoder: str = "auto"
     gguf: str | None = None
     gguf_cache: str | None = None
-    attention: str = "sdpa"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_KINDS:
@@ -131,8 +132,10 @@ class Runtime:
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
-        self.exact = self.config.attention == "exact"
-        if self.exact and (self.decoder is None or use_graphs):
+        own_cpu_decoder = self.decoder is not None and not use_graphs
+        self.exact = self.config.attention == "exact" or (self.config.attention == "auto" and own_cpu_decoder
+                                                          and self.device.type == "cpu")
+        if self.exact and not own_cpu_decoder:
             raise InputError("exact tree attention needs hierspec's own decoder on the CPU (a Llama-family model, "
                              "not --decoder transformers, not CUDA graphs)")
         default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
@@ -191,7 +194,7 @@ class Runtime:
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
-                "attention": self.config.attention,
+                "attention": "exact" if self.exact else "sdpa",
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:
