@@ -1,5 +1,6 @@
 """Exact tree attention (``--attention exact``): every row of any tree bit-identical to the same token verified at
-the end of a chain, i.e. in plain decoding; close to PyTorch's attention; the private op it rests on still behaves."""
+the end of a chain, i.e. in plain decoding, at any depth and with any number of threads; close to PyTorch's
+attention."""
 
 import pytest
 import torch
@@ -10,25 +11,12 @@ from hierspec.drafters import PromptLookupDrafter
 from hierspec.drafters.base import NoDrafter
 from hierspec.errors import InputError
 from hierspec.runtime import RuntimeConfig
-from hierspec.runtime.exact_attention import TAIL, ExactPlan, exact_attention, flash_with_log_sum_exp
+from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 from tiny import assert_tree_rows_equal_chains, make_model, make_tokenizer
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
-
-
-def test_the_private_flash_op_still_returns_output_and_log_sum_exp():
-    gen = torch.Generator().manual_seed(0)
-    query = torch.randn(1, 3, 8, 32, generator=gen)
-    key, value = torch.randn(1, 3, 512, 32, generator=gen), torch.randn(1, 3, 512, 32, generator=gen)
-    mask = torch.zeros(1, 1, 8, 512).masked_fill_(torch.arange(512) >= 100, -torch.inf)
-    mask[:, :, 0] = -torch.inf  # a fully masked row: output 0, log-sum-exp 0
-    out, lse = flash_with_log_sum_exp(query, key, value, mask, 0.25)
-    scores = query @ key.transpose(-1, -2) * 0.25 + mask
-    torch.testing.assert_close(out[:, :, 1:], torch.softmax(scores[:, :, 1:], -1) @ value, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse[:, :, 1:], torch.logsumexp(scores[:, :, 1:], -1), rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[:, :, 0], torch.zeros_like(out[:, :, 0])) and torch.equal(lse[:, :, 0], torch.zeros(1, 3))
 
 
 def _ancestry(parents: list[int], node: int) -> list[int]:
@@ -44,14 +32,16 @@ def _attend(query, keys, values, mask, dtype):
     return exact_attention(query, keys, values, plan, DIM ** -0.5)
 
 
-def _check_random_tree(gen: torch.Generator, dtype: torch.dtype) -> int:
-    """Verify a random breadth-first tree over a random cache; assert each node's row equals the row alone at the
-    end of its path laid out as a chain; returns the tree's depth."""
+def _check_random_tree(gen: torch.Generator, dtype: torch.dtype, parents: list[int] | None = None) -> int:
+    """Verify a random breadth-first tree (or the one ``parents`` gives) over a random cache; assert each node's row
+    equals the row alone at the end of its path laid out as a chain; returns the tree's depth."""
     past = int(torch.randint(0, 1500, (1,), generator=gen))
-    nodes = int(torch.randint(2, 24, (1,), generator=gen))
+    if parents is None:
+        nodes = int(torch.randint(2, 24, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+    nodes = len(parents)
     rows = nodes + int(torch.randint(0, 8, (1,), generator=gen))
     width = -(-(past + rows) // 512) * 512
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
     cache_k, cache_v = (torch.randn(1, KV_HEADS, width, DIM, generator=gen).to(dtype) for _ in range(2))
     node_k, node_v = (torch.randn(1, KV_HEADS, nodes, DIM, generator=gen).to(dtype) for _ in range(2))
     node_q = torch.randn(1, HEADS, nodes, DIM, generator=gen).to(dtype)
@@ -68,7 +58,7 @@ def _check_random_tree(gen: torch.Generator, dtype: torch.dtype) -> int:
     reference = F.scaled_dot_product_attention(
         query.reshape(1, KV_HEADS, -1, DIM), keys, values, attn_mask=mask.repeat(HEADS // KV_HEADS, 1)[None, None],
         scale=DIM ** -0.5).view(KV_HEADS, HEADS // KV_HEADS, rows, DIM).permute(2, 0, 1, 3).reshape(rows, -1)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype, 2e-2)
     torch.testing.assert_close(tree[:nodes], reference[:nodes], rtol=tolerance, atol=tolerance)
     for node in range(nodes):
         path = _ancestry(parents, node)
@@ -82,29 +72,40 @@ def _check_random_tree(gen: torch.Generator, dtype: torch.dtype) -> int:
     return max(len(_ancestry(parents, node)) for node in range(nodes)) - 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_every_row_of_a_random_tree_equals_the_same_row_alone_bit_for_bit(dtype):
-    gen = torch.Generator().manual_seed(1 if dtype == torch.float32 else 2)
+    gen = torch.Generator().manual_seed({torch.float64: 0, torch.float32: 1}.get(dtype, 2))
     depths = [_check_random_tree(gen, dtype) for _ in range(40)]
     assert max(depths) >= 5  # trees with deep branches were among them
 
 
-def test_a_branch_deeper_than_the_tail_is_counted():
-    past, depth = 40, TAIL + 2
-    # two branches of `depth` nodes each below the root, breadth-first: root, a1, b1, a2, b2, ...
-    nodes = 1 + 2 * depth
-    mask = torch.zeros(nodes, past + nodes, dtype=torch.bool)
-    mask[:, : past + 1] = True
-    for node in range(1, nodes):
-        level, branch = (node + 1) // 2, (node + 1) % 2
-        mask[node, [past + 2 * i - 1 + branch for i in range(1, level + 1)]] = True
-    plan = ExactPlan(mask, 1, torch.float32)
-    # a row at depth d keeps d + 1 - TAIL tree keys in part A: the root (always right after the cache) from depth
-    # TAIL on; b1 (slot past + 2, not past + 1) at depth TAIL + 1 of branch b; a2 or b2 (slot past + 3 or + 4, not
-    # past + 2) at depth TAIL + 2 of both branches
-    assert plan.deep_branches == 3
-    chain = torch.ones(depth + 1, past + depth + 1, dtype=torch.bool).tril(past)
-    assert ExactPlan(chain, 1, torch.float32).deep_branches == 0
+def test_rows_of_branches_deeper_than_sixteen_tokens_are_exact_too():
+    """The earlier split was exact to depth 15 only; walking each row's own keys has no depth limit."""
+    depth = 20
+    # root, then two branches of `depth` nodes, breadth-first: root, a1, b1, a2, b2, ...
+    parents = [-1] + [0, 0] + [node - 2 for node in range(3, 1 + 2 * depth)]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _check_random_tree(torch.Generator().manual_seed(3), dtype, parents) == depth
+
+
+def test_a_rows_result_does_not_depend_on_the_thread_count():
+    gen = torch.Generator().manual_seed(4)
+    query = torch.randn(1, HEADS, 12, DIM, generator=gen)
+    keys, values = torch.randn(1, KV_HEADS, 512, DIM, generator=gen), torch.randn(1, KV_HEADS, 512, DIM, generator=gen)
+    mask = torch.ones(12, 512, dtype=torch.bool).tril(300)
+    results = []
+    for threads in (1, 2):
+        plan = ExactPlan(mask, HEADS // KV_HEADS, torch.float32)
+        plan.threads = threads
+        results.append(exact_attention(query, keys, values, plan, 0.125))
+    assert torch.equal(results[0], results[1])
+
+
+def test_a_row_that_attends_nothing_is_refused():
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1] = False
+    with pytest.raises(ValueError, match="at least one key"):
+        ExactPlan(mask, 1, torch.float32)
 
 
 def _target(dtype=torch.float32, **runtime) -> TargetModel:
@@ -162,3 +163,17 @@ def test_exact_attention_is_the_default_wherever_it_can_run():
     assert own.runtime.exact and own.runtime.describe()["attention"] == "exact"
     stock = _target(decoder="transformers")
     assert not stock.runtime.exact and stock.runtime.describe()["attention"] == "sdpa"
+
+
+def test_keys_are_read_in_place_from_a_cache_buffer_with_the_same_result_as_a_copy():
+    gen = torch.Generator().manual_seed(5)
+    buffer = torch.randn(2, 1, KV_HEADS, 700, DIM, generator=gen)  # two slots of a pool, 700 slots of capacity
+    view = buffer[1, :, :, :300]  # what a cache layer hands attention: [1, kv_heads, visible, d], not contiguous
+    query = torch.randn(1, HEADS, 5, DIM, generator=gen)
+    mask = torch.ones(5, 300, dtype=torch.bool).tril(295)
+    plan = ExactPlan(mask, HEADS // KV_HEADS, torch.float32)
+    in_place = exact_attention(query, view, view, plan, 0.125)
+    assert torch.equal(in_place, exact_attention(query, view.contiguous(), view.contiguous(), plan, 0.125))
+    scores = (query.view(KV_HEADS, 3, 5, DIM) @ view[0, :, None].transpose(-1, -2)) * 0.125
+    reference = torch.softmax(scores.masked_fill(~mask, -torch.inf), -1) @ view[0, :, None]
+    torch.testing.assert_close(in_place, reference.permute(2, 0, 1, 3).reshape(5, -1), rtol=1e-5, atol=1e-5)

@@ -27,8 +27,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "(dequantized weights), graphs (static KV cache, CUDA graphs), or eager (PyTorch's own "
                             "linears; no second copy of the weights)")
     group.add_argument("--attention", default="auto", choices=["auto", "sdpa", "exact"],
-                       help="tree attention: exact (every tree row bit-identical to plain decoding, at a cost per "
-                            "forward; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
+                       help="tree attention: exact (every tree row bit-identical to plain decoding, a compiled "
+                            "kernel; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
                             "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
                             "it can run)")
 

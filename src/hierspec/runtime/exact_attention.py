@@ -1,113 +1,123 @@
 """Tree attention whose every row is bit-identical to the same token verified in plain decoding (``--attention
 exact``).
 
-CPU attention's sums depend on the *slots* a row's keys sit in (``scripts/attention_slots.py``): a node of a second
-branch sees its ancestors at breadth-first slots, not where plain decoding puts its tokens, so its logits may differ
-in the last bits and a near-tie may flip (BENCHMARKS.md, "Exact tree attention"). Here a row's arithmetic depends on
-its *logical* key sequence only:
+CPU attention kernels (PyTorch's flash attention, BLAS products) sum over keys in blocks and vector lanes laid out
+by the *slots* the keys sit in and by how many rows share the call (``scripts/attention_slots.py``): a node of a
+second branch sees its ancestors at breadth-first slots, not where plain decoding puts its tokens, so its logits may
+differ in the last bits and a near-tie may flip (BENCHMARKS.md, "Exact tree attention"). Here a row's arithmetic
+depends on its query and its *logical* key sequence only: :func:`attend_rows` (compiled with numba) walks each
+row's attended slots in ascending order — for a tree laid out breadth-first that is the order of its path, the
+cached context first — and computes the scores, a two-pass softmax and the weighted sum of values one row and one
+key/value head at a time, every reduction in an order fixed by that sequence alone. So a token gives the same bits
+alone, in a chain or at any depth of any tree, among any number of rows (``tests/test_exact_attention.py``).
 
-* part A — every attended key but the row's last :data:`TAIL` — through PyTorch's CPU flash attention with its
-  log-sum-exp. For a row of a chain, or of any tree no deeper than ``TAIL - 1``, these keys are the cache slots
-  ``0 .. B - 1``, contiguous, exactly as in plain decoding (masked keys after them add exact zeros in whole key
-  blocks, :data:`~hierspec.runtime.attention.KEY_BLOCK`);
-* part B — the last :data:`TAIL` attended keys, gathered per row in logical order (a row's own key is always the last
-  column) — scored by batched products of one row each; part A's log-sum-exp joins them as one more column of the
-  same softmax, whose first weight scales part A's output.
-
-Both parts are computed the same way for a token alone, in a chain or anywhere in a tree, so the result is the same
-bit for bit (``tests/test_exact_attention.py``). PyTorch's flash attention with log-sum-exp is a private op: it is
-used in this module only, and ``test_the_private_flash_op_still_returns_output_and_log_sum_exp`` fails loudly if a
-PyTorch release changes it.
+It is also the fastest attention measured for the few rows a CPU step verifies: one compiled call per layer instead
+of PyTorch's dozen small operations, and only attended keys are read (SmolLM2-135M, 1 row over 200 cached tokens,
+2 threads: ~17 µs per layer against ~120 µs for the flash-attention split it replaces; BENCHMARKS.md). Low-precision
+caches (bfloat16, float16) are attended in float32, as PyTorch's CPU attention accumulates them, and rounded back.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-
+import numba
+import numpy as np
 import torch
+from numba import njit, prange
 
-from hierspec.runtime.attention import QUERY_ROW_MULTIPLE, additive_mask
-
-log = logging.getLogger(__name__)
-
-#: attended keys per row computed in logical order (part B); a branching tree deeper than ``TAIL - 1`` loses
-#: exactness below that depth (chains of any depth keep it)
-TAIL = 16
-
-
-def flash_with_log_sum_exp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash attention: ``(output [b, h, q, d], log-sum-exp [b, h, q])`` (a fully masked row gives
-    output 0 and log-sum-exp 0)."""
-    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, False, attn_mask=mask,
-                                                                      scale=scale)
-    return out[0], out[1]
+#: cache dtypes the kernel reads directly; others are attended in float32 (their values converted exactly)
+NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
 class ExactPlan:
-    """What every layer of one forward needs, made once from its boolean mask ``[rows, width]`` (True = attend).
+    """Each row's attended slots, made once per forward from its boolean mask ``[rows, width]`` (True = attend) and
+    shared by every layer.
 
     Attributes:
-        mask_a: additive ``[1, 1, folded, width]`` mask of part A, rows folded per query head of a group and padded
-            to a multiple of :data:`~hierspec.runtime.attention.QUERY_ROW_MULTIPLE`.
-        index: ``[rows * TAIL]`` slots of each row's part B in logical order (slot 0 where a row has fewer keys).
-        tail_bias: ``[1, rows, 1, TAIL]`` additive mask of part B; ``empty_a``: ``[1, rows, 1, 1]``, ``-inf`` where
-            a row has no part A.
-        deep_branches: rows whose part A is not a contiguous prefix of the slots (a branch deeper than ``TAIL - 1``):
-            their results are correct but not bit-exact.
+        indptr: ``[rows + 1]`` int64, row ``r``'s slots are ``indices[indptr[r]:indptr[r + 1]]``.
+        indices: int64 attended slots, ascending within each row (a tree's path order).
+        deep_branches: always 0 (every row is exact at any depth; kept for callers of the earlier split).
     """
 
+    deep_branches = 0
+
     def __init__(self, mask: torch.Tensor, groups: int, dtype: torch.dtype) -> None:
-        rows, width = mask.shape
-        device = mask.device
-        from_end = mask.sum(-1, keepdim=True) - mask.long().cumsum(-1)  # 0 at a row's last attended key
-        tail = mask & (from_end < TAIL)
-        part_a = mask & ~tail
-        index = torch.zeros(rows, TAIL, dtype=torch.long, device=device)
-        valid = torch.zeros(rows, TAIL, dtype=torch.bool, device=device)
-        row, slot = tail.nonzero(as_tuple=True)
-        place = TAIL - 1 - from_end[row, slot]  # right-aligned: a row's own key is always the last column
-        index[row, place], valid[row, place] = slot, True
-        folded = -(-groups * rows // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE
-        additive = torch.full((folded, width), -torch.inf, dtype=dtype, device=device)
-        additive[: groups * rows] = additive_mask(part_a, dtype).repeat(groups, 1)
-        additive[groups * rows :, 0] = 0.0  # padding rows attend one key: finite, dropped
-        self.mask_a = additive[None, None]
-        self.index = index.reshape(-1)
-        self.tail_bias = additive_mask(valid, dtype)[None, :, None, :]
-        self.empty_a = additive_mask(part_a.any(-1), dtype)[None, :, None, None]
-        held = part_a.sum(-1)
-        prefix_end = torch.where(part_a.any(-1), width - part_a.flip(-1).long().argmax(-1), 0)
-        self.deep_branches = int((held != prefix_end).sum())
-        if self.deep_branches:
-            _warn_deep_branches()
+        allowed = mask.detach().to("cpu", torch.bool).numpy()
+        if not allowed.any(axis=1).all():
+            raise ValueError("every row of an exact-attention mask must attend at least one key")
+        self.groups = groups
+        self.indptr = np.zeros(allowed.shape[0] + 1, dtype=np.int64)
+        np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
+        self.indices = np.nonzero(allowed)[1].astype(np.int64)
+        self.threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
-    """``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, width, d]`` → ``[rows, heads * d]``."""
+    """``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, width, d]`` (views of a cache) →
+    ``[rows, heads * d]``, query head ``j`` reading key/value head ``j // (heads / kv_heads)``."""
     _, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    folded = query.reshape(1, kv_heads, groups * rows, dim)
-    extra = plan.mask_a.shape[2] - groups * rows
-    if extra:
-        folded = torch.cat((folded, folded.new_zeros(1, kv_heads, extra, dim)), 2)
-    out_a, lse_a = flash_with_log_sum_exp(folded, key, value, plan.mask_a, scale)
-    out_a = out_a[0, :, : groups * rows].view(kv_heads, groups, rows, dim).transpose(1, 2)
-    lse_a = lse_a[0, :, : groups * rows].view(kv_heads, groups, rows, 1).transpose(1, 2).to(query.dtype)
-    tail_keys = key[0].index_select(1, plan.index).view(kv_heads, rows, TAIL, dim)
-    tail_values = value[0].index_select(1, plan.index).view(kv_heads, rows, TAIL, dim)
-    per_row = query[0].view(kv_heads, groups, rows, dim).transpose(1, 2)  # [kv_heads, rows, groups, d]
-    scores = torch.matmul(per_row, tail_keys.transpose(-1, -2)).mul_(scale).add_(plan.tail_bias)
-    # part A as one more column whose score is its log-sum-exp: one softmax gives both parts' weights
-    weights = torch.softmax(torch.cat((lse_a.add_(plan.empty_a), scores), dim=-1), dim=-1)
-    out = torch.matmul(weights[..., 1:], tail_values).addcmul_(out_a, weights[..., :1])
-    return out.permute(1, 0, 2, 3).reshape(rows, heads * dim)
+    dtype = query.dtype
+    work = dtype if dtype in NATIVE_DTYPES else torch.float32
+    queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
+    keys, values = _rows_of(key[0], work), _rows_of(value[0], work)
+    out = torch.empty((rows, kv_heads, heads // kv_heads, dim), dtype=work)
+    numba.set_num_threads(plan.threads)
+    attend_rows(queries.numpy(), keys.numpy(), values.numpy(), plan.indptr, plan.indices,
+                np.asarray(scale, dtype=queries.numpy().dtype)[()], out.numpy())
+    return out.view(rows, heads * dim).to(dtype)
 
 
-@functools.lru_cache(maxsize=1)
-def _warn_deep_branches() -> None:
-    log.warning("exact attention: a draft tree branches deeper than %d tokens; its nodes below that depth are "
-                "computed correctly but may differ from plain decoding in the last bits", TAIL - 1)
+def _rows_of(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A C-contiguous ``[kv_heads, slots, d]`` tensor whose first ``width`` slots are ``cache``'s: the cache's own
+    buffer when ``cache`` is a slot range of it (no copy), else a copy (converted to ``dtype``)."""
+    heads, width, dim = cache.shape
+    if cache.dtype == dtype and cache.stride(2) == 1 and cache.stride(1) == dim and cache.stride(0) % dim == 0 \
+            and cache.stride(0) >= width * dim:
+        return cache.as_strided((heads, cache.stride(0) // dim, dim), (cache.stride(0), dim, 1))
+    return cache.to(dtype).contiguous()
+
+
+@njit(nogil=True, parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no cover - compiled
+    """``out[r, h, g] = softmax(scale * query[r, h, g] · keys[h, s]) · values[h, s]`` over row ``r``'s slots ``s``.
+
+    One task per (row, key/value head); its arithmetic reads nothing of other rows, so running tasks in parallel or
+    rows in other numbers changes no bit. ``reassoc`` lets the compiler vectorise each 1 x d dot product — the same
+    instruction sequence for every key (key rows are equally aligned), so a score is still a function of its two
+    vectors alone.
+    """
+    rows, kv_heads, groups, dim = query.shape
+    for task in prange(rows * kv_heads):
+        row = task // kv_heads
+        head = task - row * kv_heads
+        start = indptr[row]
+        count = indptr[row + 1] - start
+        scores = np.empty((groups, count), dtype=query.dtype)
+        own = query[row, head]
+        for j in range(count):
+            key = keys[head, indices[start + j]]
+            for g in range(groups):
+                total = own[g, 0] * key[0]
+                for d in range(1, dim):
+                    total += own[g, d] * key[d]
+                scores[g, j] = total * scale
+        for g in range(groups):
+            top = scores[g, 0]
+            for j in range(1, count):
+                top = max(top, scores[g, j])
+            norm = scores[g, 0] * 0
+            for j in range(count):
+                weight = np.exp(scores[g, j] - top)
+                scores[g, j] = weight
+                norm += weight
+            for j in range(count):
+                scores[g, j] /= norm
+        result = np.zeros((groups, dim), dtype=query.dtype)
+        for j in range(count):
+            value = values[head, indices[start + j]]
+            for g in range(groups):
+                weight = scores[g, j]
+                for d in range(dim):
+                    result[g, d] += weight * value[d]
+        out[row, head] = result
