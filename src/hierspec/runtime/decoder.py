@@ -26,6 +26,7 @@ from torch import nn
 
 from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
+from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Projection, Int4Weight
 from hierspec.runtime.slots import SlotBatch, finish_slot_batch, plan_slot_batch, slot_attention
@@ -126,6 +127,10 @@ class LlamaFamilyDecoder:
         self._rotary = inner.rotary_emb
         self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
         self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
+        # the int4 path's model is its own arithmetic (file codes, bfloat16 roundings): there the norms run as one
+        # compiled call each; float paths keep PyTorch's operations, equal to transformers'
+        compiled = quantized is not None and self.embedding.dtype == torch.float32
+        self._norm = compiled_rms_norm if compiled else _rms_norm
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False
@@ -164,7 +169,7 @@ class LlamaFamilyDecoder:
             hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
         if slots is not None:
             finish_slot_batch(slots)
-        last = _rms_norm(hidden[keep], self.final_norm, self.eps)
+        last = self._norm(hidden[keep], self.final_norm, self.eps)
         (logits,) = self.lm_head(last)
         return logits, (last if want_hidden else None)
 
@@ -180,7 +185,7 @@ class LlamaFamilyDecoder:
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None,
                plans: Sequence[ExactPlan] | None = None) -> torch.Tensor:
-        query, key, value = self._attention_inputs(layer, _rms_norm(hidden, layer.norm1, self.eps), cos, sin, rows)
+        query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
         if slots is not None:
             return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
         parts = []
@@ -201,7 +206,7 @@ class LlamaFamilyDecoder:
         """The attention's output projection and residual, then the MLP block and its residual."""
         (out,) = layer.out(attended)
         hidden = hidden + out
-        gate, up = layer.gate_up(_rms_norm(hidden, layer.norm2, self.eps))
+        gate, up = layer.gate_up(self._norm(hidden, layer.norm2, self.eps))
         (down,) = layer.down(F.silu(gate) * up)
         return hidden + down
 
