@@ -1,6 +1,5 @@
 """Exact tree attention (``--attention exact``): every row of any tree bit-identical to the same token verified at
-the end of a chain, i.e. in plain decoding, at any depth and with any number of threads; close to PyTorch's
-attention."""
+the end of a chain, i.e. in plain decoding, at any depth; close to PyTorch's attention."""
 
 import pytest
 import torch
@@ -86,19 +85,6 @@ def test_rows_of_branches_deeper_than_sixteen_tokens_are_exact_too():
     parents = [-1] + [0, 0] + [node - 2 for node in range(3, 1 + 2 * depth)]
     for dtype in (torch.float32, torch.bfloat16):
         assert _check_random_tree(torch.Generator().manual_seed(3), dtype, parents) == depth
-
-
-def test_a_rows_result_does_not_depend_on_the_thread_count():
-    gen = torch.Generator().manual_seed(4)
-    query = torch.randn(1, HEADS, 12, DIM, generator=gen)
-    keys, values = torch.randn(1, KV_HEADS, 512, DIM, generator=gen), torch.randn(1, KV_HEADS, 512, DIM, generator=gen)
-    mask = torch.ones(12, 512, dtype=torch.bool).tril(300)
-    results = []
-    for threads in (1, 2):
-        plan = ExactPlan(mask, HEADS // KV_HEADS, torch.float32)
-        plan.threads = threads
-        results.append(exact_attention(query, keys, values, plan, 0.125))
-    assert torch.equal(results[0], results[1])
 
 
 def test_a_row_that_attends_nothing_is_refused():

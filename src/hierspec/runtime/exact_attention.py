@@ -13,16 +13,15 @@ alone, in a chain or at any depth of any tree, among any number of rows (``tests
 
 It is also the fastest attention measured for the few rows a CPU step verifies: one compiled call per layer instead
 of PyTorch's dozen small operations, and only attended keys are read (SmolLM2-135M, 1 row over 200 cached tokens,
-2 threads: ~17 µs per layer against ~120 µs for the flash-attention split it replaces; BENCHMARKS.md). Low-precision
+one thread: ~22 µs per layer against ~120 µs for the flash-attention split it replaces; BENCHMARKS.md). Low-precision
 caches (bfloat16, float16) are attended in float32, as PyTorch's CPU attention accumulates them, and rounded back.
 """
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 #: cache dtypes the kernel reads directly; others are attended in float32 (their values converted exactly)
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -48,7 +47,6 @@ class ExactPlan:
         self.indptr = np.zeros(allowed.shape[0] + 1, dtype=np.int64)
         np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
         self.indices = np.nonzero(allowed)[1].astype(np.int64)
-        self.threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
 
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan,
@@ -62,7 +60,6 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
     keys, values = _rows_of(key[0], work), _rows_of(value[0], work)
     out = torch.empty((rows, kv_heads, heads // kv_heads, dim), dtype=work)
-    numba.set_num_threads(plan.threads)
     attend_rows(queries.numpy(), keys.numpy(), values.numpy(), plan.indptr, plan.indices,
                 np.asarray(scale, dtype=queries.numpy().dtype)[()], out.numpy())
     return out.view(rows, heads * dim).to(dtype)
@@ -78,17 +75,19 @@ def _rows_of(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cache.to(dtype).contiguous()
 
 
-@njit(nogil=True, parallel=True, cache=True, fastmath={"reassoc", "contract"})
+@njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no cover - compiled
     """``out[r, h, g] = softmax(scale * query[r, h, g] · keys[h, s]) · values[h, s]`` over row ``r``'s slots ``s``.
 
-    One task per (row, key/value head); its arithmetic reads nothing of other rows, so running tasks in parallel or
-    rows in other numbers changes no bit. ``reassoc`` lets the compiler vectorise each 1 x d dot product — the same
+    One task per (row, key/value head); its arithmetic reads nothing of other rows, so rows in other numbers change
+    no bit. Single-threaded: numba's parallel threads (its OpenMP layer) hang a process forked after them (the store
+    builders' fault tests fork), and on one row the second thread saved only ~3 % of a SmolLM2 int4 step.
+    ``reassoc`` lets the compiler vectorise each 1 x d dot product — the same
     instruction sequence for every key (key rows are equally aligned), so a score is still a function of its two
     vectors alone.
     """
     rows, kv_heads, groups, dim = query.shape
-    for task in prange(rows * kv_heads):
+    for task in range(rows * kv_heads):
         row = task // kv_heads
         head = task - row * kv_heads
         start = indptr[row]
