@@ -42,7 +42,7 @@ def main() -> None:
                 keys, values = torch.randn(1, kv_heads, width, dim), torch.randn(1, kv_heads, width, dim)
                 mask = torch.zeros(rows, width, dtype=torch.bool)
                 mask[:, : past + 1] = True
-                plan = ExactPlan(mask, heads // kv_heads, torch.float32)
+                plan = ExactPlan(mask)
                 groups = heads // kv_heads
                 additive = torch.zeros(rows, width).masked_fill_(~mask, -torch.inf).repeat(groups, 1)[None, None]
                 folded = query.reshape(1, kv_heads, groups * rows, dim)

@@ -26,9 +26,8 @@ def _ancestry(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
-def _attend(query, keys, values, mask, dtype):
-    plan = ExactPlan(mask, HEADS // KV_HEADS, dtype)
-    return exact_attention(query, keys, values, plan, DIM ** -0.5)
+def _attend(query, keys, values, mask):
+    return exact_attention(query, keys, values, ExactPlan(mask), DIM ** -0.5)
 
 
 def _check_random_tree(gen: torch.Generator, dtype: torch.dtype, parents: list[int] | None = None) -> int:
@@ -53,7 +52,7 @@ def _check_random_tree(gen: torch.Generator, dtype: torch.dtype, parents: list[i
     mask[nodes:, past] = True  # padding rows, as the runtime's
     query = torch.zeros(1, HEADS, rows, DIM, dtype=dtype)
     query[:, :, :nodes] = node_q
-    tree = _attend(query, keys, values, mask, dtype)
+    tree = _attend(query, keys, values, mask)
     reference = F.scaled_dot_product_attention(
         query.reshape(1, KV_HEADS, -1, DIM), keys, values, attn_mask=mask.repeat(HEADS // KV_HEADS, 1)[None, None],
         scale=DIM ** -0.5).view(KV_HEADS, HEADS // KV_HEADS, rows, DIM).permute(2, 0, 1, 3).reshape(rows, -1)
@@ -66,7 +65,7 @@ def _check_random_tree(gen: torch.Generator, dtype: torch.dtype, parents: list[i
         values[:, :, past : past + len(path)] = node_v[:, :, path]
         alone = torch.zeros(1, width, dtype=torch.bool)
         alone[:, : past + len(path)] = True
-        row = _attend(node_q[:, :, node : node + 1], keys, values, alone, dtype)[0]
+        row = _attend(node_q[:, :, node : node + 1], keys, values, alone)[0]
         assert torch.equal(row, tree[node]), f"past {past}, node {node} of {nodes} in {rows} rows"
     return max(len(_ancestry(parents, node)) for node in range(nodes)) - 1
 
@@ -91,7 +90,7 @@ def test_a_row_that_attends_nothing_is_refused():
     mask = torch.ones(3, 8, dtype=torch.bool)
     mask[1] = False
     with pytest.raises(ValueError, match="at least one key"):
-        ExactPlan(mask, 1, torch.float32)
+        ExactPlan(mask)
 
 
 def _target(dtype=torch.float32, **runtime) -> TargetModel:
@@ -157,7 +156,7 @@ def test_keys_are_read_in_place_from_a_cache_buffer_with_the_same_result_as_a_co
     view = buffer[1, :, :, :300]  # what a cache layer hands attention: [1, kv_heads, visible, d], not contiguous
     query = torch.randn(1, HEADS, 5, DIM, generator=gen)
     mask = torch.ones(5, 300, dtype=torch.bool).tril(295)
-    plan = ExactPlan(mask, HEADS // KV_HEADS, torch.float32)
+    plan = ExactPlan(mask)
     in_place = exact_attention(query, view, view, plan, 0.125)
     assert torch.equal(in_place, exact_attention(query, view.contiguous(), view.contiguous(), plan, 0.125))
     scores = (query.view(KV_HEADS, 3, 5, DIM) @ view[0, :, None].transpose(-1, -2)) * 0.125

@@ -158,9 +158,7 @@ class LlamaFamilyDecoder:
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
         slots = None if exact else self._slot_batch(segments)
-        groups = self.heads // self.kv_heads
-        plans = [ExactPlan(s.mask[0, 0, : s.stop - s.start], groups, self.embedding.dtype) for s in segments] \
-            if exact else None
+        plans = [ExactPlan(s.mask[0, 0, : s.stop - s.start]) for s in segments] if exact else None
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
         segments = [] if slots is not None else segments if exact else [
             Segment(s.start, s.stop, additive_mask(s.mask, self.embedding.dtype), s.cache) for s in segments]

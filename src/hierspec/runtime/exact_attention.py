@@ -34,16 +34,12 @@ class ExactPlan:
     Attributes:
         indptr: ``[rows + 1]`` int64, row ``r``'s slots are ``indices[indptr[r]:indptr[r + 1]]``.
         indices: int64 attended slots, ascending within each row (a tree's path order).
-        deep_branches: always 0 (every row is exact at any depth; kept for callers of the earlier split).
     """
 
-    deep_branches = 0
-
-    def __init__(self, mask: torch.Tensor, groups: int, dtype: torch.dtype) -> None:
+    def __init__(self, mask: torch.Tensor) -> None:
         allowed = mask.detach().to("cpu", torch.bool).numpy()
         if not allowed.any(axis=1).all():
             raise ValueError("every row of an exact-attention mask must attend at least one key")
-        self.groups = groups
         self.indptr = np.zeros(allowed.shape[0] + 1, dtype=np.int64)
         np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
         self.indices = np.nonzero(allowed)[1].astype(np.int64)
@@ -60,8 +56,9 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
     keys, values = _rows_of(key[0], work), _rows_of(value[0], work)
     out = torch.empty((rows, kv_heads, heads // kv_heads, dim), dtype=work)
-    attend_rows(queries.numpy(), keys.numpy(), values.numpy(), plan.indptr, plan.indices,
-                np.asarray(scale, dtype=queries.numpy().dtype)[()], out.numpy())
+    rows_in = queries.numpy()
+    attend_rows(rows_in, keys.numpy(), values.numpy(), plan.indptr, plan.indices, rows_in.dtype.type(scale),
+                out.numpy())
     return out.view(rows, heads * dim).to(dtype)
 
 

@@ -1,7 +1,7 @@
 """The RMS norm of each row as one compiled call, for the int4 path's decoder.
 
 PyTorch computes transformers' ``LlamaRMSNorm`` in eight small operations (~35 µs per call for one 576-wide row on
-a 2-core Zen 4; 61 calls per SmolLM2 forward, ~2 ms of a ~13 ms int4 step). :func:`rms_norm_rows` is the same
+a 2-core Zen 4; 61 calls per SmolLM2 forward, ~2 ms of a ~13 ms int4 step). :func:`rms_norm` is the same
 formula in one numba call. Its sum of squares is vectorised in an order fixed by the row's width, so a row's result
 does not depend on the rows beside it (the property every verification path needs), but it may differ from
 PyTorch's in the last bit: the int4 path's model is defined by its own arithmetic (file codes, bfloat16 roundings),
