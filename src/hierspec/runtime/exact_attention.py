@@ -11,9 +11,10 @@ cached context first — and computes the scores, a two-pass softmax and the wei
 key/value head at a time, every reduction in an order fixed by that sequence alone. So a token gives the same bits
 alone, in a chain or at any depth of any tree, among any number of rows (``tests/test_exact_attention.py``).
 
-It is also the fastest attention measured for the few rows a CPU step verifies: one compiled call per layer instead
-of PyTorch's dozen small operations, and only attended keys are read (SmolLM2-135M, 1 row over 200 cached tokens,
-one thread: ~22 µs per layer against ~120 µs for the flash-attention split it replaces; BENCHMARKS.md). Low-precision
+One compiled call per layer replaces the dozen small PyTorch operations of the flash-attention split it succeeds,
+and only attended keys are read (SmolLM2-135M, 1 row over 200 cached tokens, one thread: ~22 µs per layer against
+~120 µs for that split). Its work grows with rows x keys on one thread, so a forward of many rows costs more than
+with PyTorch's attention (int4 SmolLM2, 200-token context: equal at 1–2 rows, +18 % at 16; BENCHMARKS.md). Low-precision
 caches (bfloat16, float16) are attended in float32, as PyTorch's CPU attention accumulates them, and rounded back.
 """
 
