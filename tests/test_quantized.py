@@ -42,9 +42,47 @@ def test_decoded_blocks_equal_gguf_dequantization_bit_for_bit(kind):
     assert torch.equal(decoded, torch.from_numpy(dequantize(raw, qtype)))
 
 
+def random_k_blocks(kind, rows, cols, rng):
+    """Raw ``Q4_K``/``Q6_K`` blocks of a ``[rows, cols]`` tensor: random codes and sub-block scales, super-block
+    scales of a realistic size (the ``gguf`` package reads these types but does not write them)."""
+    supers = cols // 256
+    if kind == "Q4_K":
+        blocks = rng.integers(0, 256, size=(rows, supers, 144), dtype=np.uint8)
+        for start in (0, 2):  # d and dmin
+            blocks[..., start : start + 2] = rng.uniform(2e-3, 6e-3, (rows, supers, 1)).astype(np.float16).view(np.uint8)
+    else:
+        blocks = rng.integers(0, 256, size=(rows, supers, 210), dtype=np.uint8)
+        blocks[..., 208:210] = rng.uniform(2e-4, 8e-4, (rows, supers, 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_blocks_decode_to_gguf_dequantization_bit_for_bit(kind):
+    rng = np.random.default_rng(1)
+    raw = random_k_blocks(kind, 48, 512, rng)
+    passes = q.decode_blocks(kind, raw, 48, 512)
+    assert len(passes) == (4 if kind == "Q6_K" else 1)
+    for weight in passes:
+        assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15
+    assert torch.equal(sum(p.dequantize() for p in passes), torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
+
+
+def test_a_q6_k_pass_decodes_the_other_half_of_each_group_to_exact_zeros_in_the_kernel():
+    """The kernel sees bfloat16 scales: a pass's foreign half must still cancel to 0, not to a rounding residue."""
+    raw = random_k_blocks("Q6_K", 16, 256, np.random.default_rng(2))
+    passes = q.decode_blocks("Q6_K", raw, 16, 256)
+    for index, weight in enumerate(passes):
+        packed, table = q._pack([weight])
+        columns = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(256, dtype=q.KERNEL_DTYPE), packed, q.GROUP,
+                                                             table).t().float()
+        foreign = torch.arange(256).remainder(32).div(16, rounding_mode="floor") != index // 2
+        assert torch.count_nonzero(columns[:, foreign]) == 0, index
+        assert torch.count_nonzero(columns[:, ~foreign]) > 0, index
+
+
 def test_unsupported_block_types_are_refused_by_name():
-    with pytest.raises(ValueError, match="Q6_K"):
-        q.decode_blocks("Q6_K", np.zeros(210, np.uint8), 1, 256)
+    with pytest.raises(ValueError, match="Q5_K"):
+        q.decode_blocks("Q5_K", np.zeros(176, np.uint8), 1, 256)
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -53,10 +91,12 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_tiny_gguf(path, model, layer_kind="Q4_1", head_kind="Q8_0", plain=()):
+def write_tiny_gguf(path, model, layer_kind="Q4_1", head_kind="Q8_0", plain=(), kinds=None):
     """Quantize ``model``'s linears into a GGUF file the way llama.cpp lays them out, and set the model's weights to
-    the file's dequantized values (so the float32 model *is* the file). ``plain`` names tensors written as F32."""
-    writer = GGUFWriter(str(path), "llama")
+    the file's dequantized values (so the float32 model *is* the file). ``plain`` names tensors written as F32;
+    ``kinds`` maps tensor-name fragments (``"attn_v"``) to other block types; K-quant tensors get random blocks."""
+    writer = GGUFWriter(str(path), model.config.model_type)
+    rng = np.random.default_rng(3)
     config = model.config
     tensors = {"token_embd.weight": (model.model.embed_tokens, head_kind), "output.weight": (model.lm_head, head_kind)}
     for i in range(config.num_hidden_layers):
@@ -66,12 +106,14 @@ def write_tiny_gguf(path, model, layer_kind="Q4_1", head_kind="Q8_0", plain=()):
     for name, (module, kind) in tensors.items():
         weight = module.weight.detach().numpy().astype(np.float32)
         heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
-        stored = _llama_cpp_permute(weight, heads) if (".attn_q." in name or ".attn_k." in name) else weight
+        permuted = config.model_type == "llama" and (".attn_q." in name or ".attn_k." in name)
+        stored = _llama_cpp_permute(weight, heads) if permuted else weight
         if name in plain:
             writer.add_tensor(name, stored)
             continue
+        kind = next((k for fragment, k in (kinds or {}).items() if fragment in name), kind)
         qtype = GGMLQuantizationType[kind]
-        raw = quantize(stored, qtype)
+        raw = random_k_blocks(kind, *stored.shape, rng) if kind.endswith("_K") else quantize(stored, qtype)
         writer.add_tensor(name, raw, raw_dtype=qtype)
         exact = dequantize(raw, qtype)
         if stored is not weight:  # undo the permutation for the model's own copy
@@ -88,6 +130,48 @@ def write_tiny_gguf(path, model, layer_kind="Q4_1", head_kind="Q8_0", plain=()):
 def _tiny(tmp_path, arch="llama", **kinds):
     model = make_model(arch, vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64)
     return model, write_tiny_gguf(tmp_path / "tiny.gguf", model, **kinds)
+
+
+def _tiny_k_quant(tmp_path):
+    """A Qwen2-shaped model (q/k/v biases) written like a ``Q4_K_M`` file: ``Q4_K`` layers, ``Q6_K`` values, down
+    projection and head — so the q/k/v product mixes one- and four-pass members."""
+    model = make_model("qwen2", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=256)
+    return model, write_tiny_gguf(tmp_path / "tiny-k.gguf", model, layer_kind="Q4_K", head_kind="Q6_K",
+                                  kinds={"attn_v": "Q6_K", "ffn_down": "Q6_K"})
+
+
+def test_a_k_quant_files_weights_decode_to_exactly_the_dequantized_model(tmp_path):
+    model, path = _tiny_k_quant(tmp_path)
+    weights, reason = q.read_gguf_weights(path, model.config)
+    assert reason is None
+    modules = dict(model.named_modules())
+    assert len(weights["model.layers.0.self_attn.v_proj"]) == 4 and len(weights["model.layers.0.self_attn.q_proj"]) == 1
+    for name, passes in weights.items():
+        assert torch.equal(sum(p.dequantize() for p in passes), modules[name].weight.detach()), name
+
+
+def test_a_k_quant_file_runs_its_model_on_the_int4_path_and_every_method_equals_plain_decoding(tmp_path):
+    model, path = _tiny_k_quant(tmp_path)
+    reference = TargetModel(make_model("qwen2", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=256),
+                            make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
+    reference.model.load_state_dict(model.state_dict())
+    target = _int4_target(model, path)
+    prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
+    logits = []
+    for t in (reference, target):
+        cache = t.new_cache()
+        t.prefill(cache, prompt)
+        logits.append(t.forward_tree(cache, tree).logits)
+    error = (logits[0] - logits[1]).abs().mean() / logits[0].abs().mean()
+    assert error < 0.1, error
+    assert_tree_rows_equal_chains(target)
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
+    prompt = prompt + plain.generate(prompt, config).token_ids[:12]
+    expected = plain.generate(prompt, config).token_ids
+    for method in ("pld:budget=off", "hd"):
+        assert SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config).token_ids == expected
 
 
 @pytest.mark.parametrize("layer_kind", ["Q4_0", "Q4_1"])

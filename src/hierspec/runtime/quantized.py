@@ -8,13 +8,22 @@ are 32 elements too, so the file's codes are kept exactly:
 * ``Q4_0`` (``w = (q - 8) * d``): code ``q``, scale ``d``, zero 0;
 * ``Q4_1`` (``w = q * d + m``): code ``q``, scale ``d``, zero ``m + 8 d``;
 * ``Q8_0`` (``w = q * d``, ``q`` a signed byte): two 4-bit passes whose sum is ``q * d`` — the high nibble with scale
-  ``16 d`` and the low nibble with zero ``8 d``.
+  ``16 d`` and the low nibble with zero ``8 d``;
+* ``Q4_K`` (256-element super-blocks of eight 32-element sub-blocks, ``w = d sc q - dmin m``): code ``q``, scale
+  ``d sc``, zero ``8 d sc - dmin m``;
+* ``Q6_K`` (sixteen 16-element sub-blocks, ``w = D (q - 32)`` with ``D = d sc`` and a 6-bit ``q = l + 16 h``): four
+  passes, a low (``l``) and a high (``h``) pass for each half of a 32-element group. A pass gives the elements of
+  the other half code 0 (low, zero ``8 D``) or 4 (high: scale ``16 D``, zero ``64 D``), which decode to exactly 0,
+  and its own half ``l D`` or ``(h - 2) 16 D``; the four sum to ``D (q - 32)``. Scales times powers of two stay
+  exact in bfloat16, so the zeros cancel in the kernel too. A ``Q6_K`` tensor streams 2 bytes per weight this way
+  (as bfloat16 would) against 4 expanded to float32.
 
-Decoded in float32, every one of these reproduces ``gguf``'s own dequantization bit for bit
+Decoded in float32, every one of these reproduces ``gguf``'s own dequantization bit for bit (``Q4_K``: wherever
+``8 d sc - dmin m`` is exact in float32, i.e. nearly always; within one rounding elsewhere)
 (``tests/test_quantized.py``). The kernel takes its scales and offsets in bfloat16 and returns bfloat16 products, so
 the model that runs is the file's codes with scales rounded to bfloat16 and bfloat16 activations at each product —
 the same model for every method and every row count (the kernel is row-invariant), which is what "lossless" is
-measured against on this path. Other block types (``Q4_K``, ``Q6_K``, …) are not supported yet: such files run
+measured against on this path. Other block types (``Q5_K``, ``Q3_K``, …) are not supported yet: such files run
 dequantized, with the reason logged.
 """
 
@@ -36,10 +45,14 @@ from hierspec import checksums
 
 log = logging.getLogger(__name__)
 
-#: elements per scale/offset group, GGUF's block size for Q4_0, Q4_1 and Q8_0
+#: elements per scale/offset group, GGUF's block size for Q4_0, Q4_1 and Q8_0 (and Q4_K's sub-block)
 GROUP = 32
+#: elements per K-quant super-block
+SUPER_BLOCK = 256
 #: GGUF block types this module keeps quantized
-SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q8_0")
+SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+#: bytes per block of each supported type
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 #: the decoded-weights cache beside a GGUF file's converted weights
 CACHE_FILE = "int4-weights.safetensors"
 CACHE_MAGIC = "hierspec-int4-weights"
@@ -86,11 +99,15 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4
     """
     if kind not in SUPPORTED_BLOCKS:
         raise ValueError(f"GGUF block type {kind} is not supported by the int4 path")
-    if cols % GROUP:
-        raise ValueError(f"a row of {cols} elements is not a whole number of {GROUP}-element blocks")
-    block_bytes = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // GROUP, block_bytes)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    size = SUPER_BLOCK if kind.endswith("_K") else GROUP
+    if cols % size:
+        raise ValueError(f"a row of {cols} elements is not a whole number of {size}-element {kind} blocks")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, cols // size, _BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _q4_k_passes(blocks)
+    if kind == "Q6_K":
+        return _q6_k_passes(blocks)
+    scale = _halves(blocks[..., :2])
     if kind == "Q8_0":
         values = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
         high, low = (values >> 4) + 8, values & 15
@@ -99,8 +116,46 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4
     codes = np.concatenate((packed & 15, packed >> 4), axis=-1)  # element j in the low nibble, j + 16 in the high
     if kind == "Q4_0":
         return [_weight(codes, scale, np.zeros_like(scale))]
-    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    minimum = _halves(blocks[..., 2:4])
     return [_weight(codes, scale, minimum + 8 * scale)]
+
+
+def _halves(pairs: np.ndarray) -> np.ndarray:
+    """float16 values stored as byte pairs ``[..., 2]``, in float32."""
+    return pairs.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _q4_k_passes(blocks: np.ndarray) -> list[Int4Weight]:
+    """``Q4_K`` blocks ``[rows, super-blocks, 144]``: one pass, a group per sub-block (layout as in ``gguf``)."""
+    from gguf.quants import Q4_K
+
+    rows, supers, _ = blocks.shape
+    d, dmin = _halves(blocks[..., 0:2])[..., None], _halves(blocks[..., 2:4])[..., None]
+    sc, m = (part.reshape(rows, supers, 8) for part in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
+    scale = d * sc.astype(np.float32)
+    minimum = dmin * m.astype(np.float32)
+    packed = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)  # 32 bytes: sub-block 2c low nibbles, 2c + 1 high
+    codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
+    return [_weight(codes.reshape(rows, -1), scale.reshape(rows, -1), (8 * scale - minimum).reshape(rows, -1))]
+
+
+def _q6_k_passes(blocks: np.ndarray) -> list[Int4Weight]:
+    """``Q6_K`` blocks ``[rows, super-blocks, 210]``: four passes (see the module's docstring)."""
+    rows, supers, _ = blocks.shape
+    low = blocks[..., :128].reshape(rows, supers, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    low = (low & 15).reshape(rows, -1, 2, 16)  # [rows, groups, half, element]
+    high = (high & 3).reshape(rows, -1, 2, 16)
+    factors = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
+    scale = (_halves(blocks[..., 208:210])[..., None] * factors).reshape(rows, -1, 2)  # D per half of each group
+    passes = []
+    for half in (0, 1):
+        own = np.zeros((1, 1, 2, 1), dtype=bool)
+        own[0, 0, half] = True
+        d = scale[..., half]
+        passes.append(_weight(np.where(own, low, 0).reshape(rows, -1), d, 8 * d))
+        passes.append(_weight(np.where(own, high + 2, 4).reshape(rows, -1), 16 * d, 64 * d))
+    return passes
 
 
 def _weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> Int4Weight:
@@ -128,31 +183,44 @@ def kernel_reason() -> str | None:
 
 class Int4Projection:
     """Several quantized linears applied to one input (q/k/v, gate/up): one int4 product per pass of their stacked
-    weights, outputs in float32 (plus the float32 biases).
+    weights, outputs in float32 (plus the float32 biases). Neighbouring members with the same number of passes are
+    stacked together (a ``Q6_K`` value projection beside ``Q4_K`` queries and keys is a stack of its own).
 
-    Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one product for all members).
+    Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
     """
 
     packed = True
 
     def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None]) -> None:
         self.widths = [passes[0].codes.shape[0] for passes in members]
-        depth = {len(passes) for passes in members}
-        if len(depth) != 1:
-            raise ValueError("members of one projection must have the same number of int4 passes")
-        self.passes = [_pack([passes[i] for passes in members]) for i in range(depth.pop())]
+        self.stacks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        start = 0
+        while start < len(members):
+            stop = start + 1
+            while stop < len(members) and len(members[stop]) == len(members[start]):
+                stop += 1
+            group = members[start:stop]
+            self.stacks.append([_pack([passes[i] for passes in group]) for i in range(len(group[0]))])
+            start = stop
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         inputs = rows.to(KERNEL_DTYPE).contiguous()
-        product = None
-        for packed, scales in self.passes:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, packed, GROUP, scales).float()
-            product = out if product is None else product + out
+        products = [_stack_product(inputs, stack) for stack in self.stacks]
+        product = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
         if self.bias is not None:
             product = product + self.bias
         return list(product.split(self.widths, dim=-1)) if split else [product]
+
+
+def _stack_product(inputs: torch.Tensor, passes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The sum, in float32, of one int4 product per pass."""
+    product = None
+    for packed, scales in passes:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, packed, GROUP, scales).float()
+        product = out if product is None else product + out
+    return product
 
 
 def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
