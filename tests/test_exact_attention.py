@@ -110,8 +110,10 @@ def test_exact_attention_keeps_greedy_output_and_is_close_to_sdpa():
     exact.prefill(cache_a, prompt[:-1])
     sdpa.prefill(cache_b, prompt[:-1])
     tree = build_tree(prompt[-1], [[4, 8], [9, 9, 9], [4, 2]])
+    # float32 sums in two orders (the kernel's own, four keys at a time, against SDPA's blocks): logits of ~10
+    # agree to a few 1e-5
     torch.testing.assert_close(exact.forward_tree(cache_a, tree).logits, sdpa.forward_tree(cache_b, tree).logits,
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-5, atol=5e-5)
     config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
     reference = SpeculativeDecoder(exact, NoDrafter()).generate(prompt, config)
     assert SpeculativeDecoder(exact, PromptLookupDrafter()).generate(prompt, config).token_ids == reference.token_ids
