@@ -30,6 +30,7 @@ dequantized, with the reason logged.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -194,14 +195,9 @@ class Int4Projection:
     def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None]) -> None:
         self.widths = [passes[0].codes.shape[0] for passes in members]
         self.stacks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        start = 0
-        while start < len(members):
-            stop = start + 1
-            while stop < len(members) and len(members[stop]) == len(members[start]):
-                stop += 1
-            group = members[start:stop]
-            self.stacks.append([_pack([passes[i] for passes in group]) for i in range(len(group[0]))])
-            start = stop
+        for depth, run in itertools.groupby(members, key=len):
+            group = list(run)
+            self.stacks.append([_pack([passes[i] for passes in group]) for i in range(depth)])
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
 
