@@ -152,17 +152,9 @@ def test_a_k_quant_files_weights_decode_to_exactly_the_dequantized_model(tmp_pat
 
 def test_a_k_quant_file_runs_its_model_on_the_int4_path_and_every_method_equals_plain_decoding(tmp_path):
     model, path = _tiny_k_quant(tmp_path)
-    reference = TargetModel(make_model("qwen2", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=256),
-                            make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
-    reference.model.load_state_dict(model.state_dict())
     target = _int4_target(model, path)
-    prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
-    logits = []
-    for t in (reference, target):
-        cache = t.new_cache()
-        t.prefill(cache, prompt)
-        logits.append(t.forward_tree(cache, tree).logits)
-    error = (logits[0] - logits[1]).abs().mean() / logits[0].abs().mean()
+    expected, got = _tree_logits(_float32_copy(model, "qwen2", hidden=256), target)
+    error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < 0.1, error
     assert_tree_rows_equal_chains(target)
     config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
@@ -191,28 +183,32 @@ def _int4_target(model, path, **config):
     return target
 
 
-def _float32_copy(model) -> TargetModel:
+def _float32_copy(model, arch="llama", hidden=64) -> TargetModel:
     """The file's model expanded to float32, run by the eager runtime (its own unpacked forward)."""
-    reference = TargetModel(make_model("llama", vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=64),
+    reference = TargetModel(make_model(arch, vocab_size=VOCAB, seed=7, dtype=torch.float32, layers=2, hidden=hidden),
                             make_tokenizer(VOCAB), "f32", RuntimeConfig(kind="eager"))
     reference.model.load_state_dict(model.state_dict())
     return reference
 
 
-def test_the_int4_forward_computes_the_files_model(tmp_path):
-    model, path = _tiny(tmp_path)
-    reference = _float32_copy(model)
-    target = _int4_target(model, path)
+def _tree_logits(*targets) -> list[torch.Tensor]:
+    """Each target's logits for one small tree over one prompt."""
     prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
     logits = []
-    for t in (reference, target):
+    for t in targets:
         cache = t.new_cache()
         t.prefill(cache, prompt)
         logits.append(t.forward_tree(cache, tree).logits)
+    return logits
+
+
+def test_the_int4_forward_computes_the_files_model(tmp_path):
+    model, path = _tiny(tmp_path)
+    expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path))
     # bfloat16 activations and scales against float32: close, and the same choices
-    error = (logits[0] - logits[1]).abs().mean() / logits[0].abs().mean()
+    error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < 0.1, error
-    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+    assert torch.equal(expected.argmax(-1), got.argmax(-1))
 
 
 def test_the_int4_runtime_reads_prompts_through_the_files_float32_weights(tmp_path):
