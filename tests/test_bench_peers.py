@@ -8,9 +8,10 @@ import pytest
 from hierspec.bench.peers import LlamaCppRunner, gguf_file
 from hierspec.bench.runner import make_runners
 from hierspec.config import GenerationConfig, ModelConfig
-from hierspec.errors import InputError
+from hierspec.errors import InputError, ModelLoadError
 from hierspec.loading import default_model_path
 from hierspec.methods import DrafterContext
+from hierspec.model_names import NAMED_MODELS, models_dir
 from tiny import make_target
 
 
@@ -64,6 +65,16 @@ def test_make_runners_builds_llamacpp_from_the_gguf_the_model_came_from(fake_lla
     assert gguf_file(None) == default_model_path() == gguf_file(ModelConfig())
     with pytest.raises(InputError, match="GGUF"):
         gguf_file(ModelConfig(spec="some/model-directory"))
+
+
+def test_llamacpp_finds_a_short_names_file_or_says_how_to_fetch_it(tmp_path):
+    config = ModelConfig(spec="qwen-coder-1.5b", cache_dir=str(tmp_path))
+    with pytest.raises(ModelLoadError, match="make models"):
+        gguf_file(config)
+    named = models_dir(tmp_path) / NAMED_MODELS["qwen-coder-1.5b"].file_name
+    named.parent.mkdir(parents=True)
+    named.write_bytes(b"GGUF")
+    assert gguf_file(config) == named
 
 
 def test_a_missing_binding_is_a_clear_error(monkeypatch, tmp_path):

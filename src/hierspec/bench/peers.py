@@ -16,20 +16,20 @@ from pathlib import Path
 from hierspec.bench.metrics import QuestionRun
 from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.errors import InputError
-from hierspec.loading import default_model_path
+from hierspec.loading import gguf_source
 from hierspec.target import TargetModel
 
 LLAMACPP_METHODS = ("llamacpp-ar",)
 
 
 def gguf_file(model_config: ModelConfig | None) -> Path:
-    """The GGUF file the benchmark's model came from: the default model's, or ``--model FILE.gguf``."""
-    spec = model_config.spec if model_config is not None else None
-    if spec is None:
-        return default_model_path()
-    if spec.lower().endswith(".gguf"):
-        return Path(spec).expanduser()
-    raise InputError("llamacpp-ar runs a GGUF file: pass --model FILE.gguf (or use the default model)")
+    """The GGUF file the benchmark's model came from: the default model's, a short name's (``qwen-coder-1.5b``) or
+    ``--model FILE.gguf``."""
+    path = gguf_source(model_config if model_config is not None else ModelConfig())
+    if path is None:
+        raise InputError("llamacpp-ar runs a GGUF file: pass --model FILE.gguf or a short name such as "
+                         "qwen-coder-1.5b (or use the default model)")
+    return path
 
 
 class LlamaCppRunner:
