@@ -157,13 +157,8 @@ def test_a_k_quant_file_runs_its_model_on_the_int4_path_and_every_method_equals_
     error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < 0.1, error
     assert_tree_rows_equal_chains(target)
-    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
-    plain = SpeculativeDecoder(target, NoDrafter())
-    prompt = [4, 8, 15, 16, 23, 42, 4, 8, 15]
-    prompt = prompt + plain.generate(prompt, config).token_ids[:12]
-    expected = plain.generate(prompt, config).token_ids
-    for method in ("pld:budget=off", "hd"):
-        assert SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config).token_ids == expected
+    _accepted_drafts_of_methods_equal_to_plain(target, ([4, 8, 15, 16, 23, 42, 4, 8, 15],), ("pld:budget=off", "hd"),
+                                               GenerationConfig(max_new_tokens=30, stop_at_eos=False))
 
 
 @pytest.mark.parametrize("layer_kind", ["Q4_0", "Q4_1"])
@@ -238,19 +233,26 @@ def test_int4_exact_attention_gives_every_tree_row_its_chains_logits(tmp_path):
     assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), attention="exact"))
 
 
-def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):
-    target = _int4_target(*_tiny(tmp_path))
-    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+def _accepted_drafts_of_methods_equal_to_plain(target, prompts, methods, config) -> int:
+    """Assert every method's tokens equal plain decoding's on each prompt (extended by 12 of the model's own tokens,
+    for the drafters to find); return the draft tokens accepted in all."""
     plain = SpeculativeDecoder(target, NoDrafter())
     accepted = 0
-    for prompt in ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]):
-        prompt = prompt + plain.generate(prompt, config).token_ids[:12]  # the model's own words, for the drafters
+    for prompt in prompts:
+        prompt = prompt + plain.generate(prompt, config).token_ids[:12]
         reference = plain.generate(prompt, config).token_ids
-        for method in ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off",
-                       "hsddw:first=pld,middle=self:1,budget=off"):
+        for method in methods:
             result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts
+    return accepted
+
+
+def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path):
+    methods = ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off", "hsddw:first=pld,middle=self:1,budget=off")
+    accepted = _accepted_drafts_of_methods_equal_to_plain(
+        _int4_target(*_tiny(tmp_path)), ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
+        GenerationConfig(max_new_tokens=40, stop_at_eos=False))
     assert accepted > 0
 
 

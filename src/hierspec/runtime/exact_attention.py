@@ -168,7 +168,7 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
             else:
                 for j in range(count):
                     weights[j] = np.exp(line[j] - top)
-            norm = weights[0] * 0
+            norm = zero
             for j in range(count):
                 norm += weights[j]
                 line[j] = weights[j]
