@@ -45,16 +45,20 @@ class Projection:
     """Several linears applied to one input: one product of their stacked weights, or each on its own.
 
     ``packed``: one oneDNN product with a prepacked copy of the stacked weight (a second copy of these weights, as
-    the packed runtime keeps anyway); else ``F.linear`` on each module's own weight (no copy).
+    the packed runtime keeps anyway); ``product_dtype``: one product in that dtype with a stacked copy of the weights
+    in it, rows rounded to it and the result (plus float32 biases) in the rows' dtype; else ``F.linear`` on each
+    module's own weight (no copy).
     """
 
-    def __init__(self, linears: Sequence[nn.Module], packed: bool) -> None:
+    def __init__(self, linears: Sequence[nn.Module], packed: bool, product_dtype: torch.dtype | None = None) -> None:
         weights = [m.weight.detach() for m in linears]
         biases = [None if m.bias is None else m.bias.detach() for m in linears]
         self.widths = [w.shape[0] for w in weights]
-        self.packed = packed
-        if packed:
-            self.weight = pack_weight(torch.cat(weights))
+        self.packed = packed or product_dtype is not None
+        self.product_dtype = product_dtype
+        if self.packed:
+            stacked = torch.cat(weights)
+            self.weight = pack_weight(stacked) if product_dtype is None else stacked.to(product_dtype)
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         else:
@@ -62,6 +66,10 @@ class Projection:
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         """The members' products with ``rows``; packed and ``split=False``: one tensor of them all side by side."""
+        if self.product_dtype is not None:
+            product = F.linear(rows.to(self.product_dtype), self.weight).to(rows.dtype)
+            product = product if self.bias is None else product + self.bias
+            return list(product.split(self.widths, dim=-1)) if split else [product]
         if self.packed:
             product = packed_linear(rows, self.weight, self.bias)
             return list(product.split(self.widths, dim=-1)) if split else [product]
@@ -98,7 +106,8 @@ class LlamaFamilyDecoder:
     """
 
     def __init__(self, model: nn.Module, packed: bool,
-                 quantized: Mapping[str, Sequence[Int4Weight]] | None = None) -> None:
+                 quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
+                 product_dtype: torch.dtype | None = None) -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -111,12 +120,13 @@ class LlamaFamilyDecoder:
         self.final_norm = inner.norm.weight.detach()
         names = {module: name for name, module in model.named_modules()}
 
-        def projection(*linears: nn.Module) -> Projection | Int4Projection:
+        def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
             if quantized is None:
-                return Projection(linears, packed)
+                return Projection(linears, packed, product_dtype if copy else None)
             return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears])
 
-        self.lm_head = projection(model.get_output_embeddings())
+        # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
+        self.lm_head = projection(model.get_output_embeddings(), copy=False)
         self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
                               norm2=layer.post_attention_layernorm.weight.detach(),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -133,10 +143,10 @@ class LlamaFamilyDecoder:
         self._norm = compiled_rms_norm if compiled else _rms_norm
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
-                keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[kept, vocab]`` of the rows ``keep`` selects (and their last hidden states, after the final
-        norm): a tree's real nodes, or a prompt's last row.
+                keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits ``[kept, vocab]`` of the rows ``keep`` selects (``None`` without ``want_logits``) and their last
+        hidden states, after the final norm (with ``want_hidden``): a tree's real nodes, or a prompt's last row.
 
         ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
         width]``; every layer's keys and values go into ``cache`` through its layer's ``update``. ``exact``: attention
@@ -144,11 +154,11 @@ class LlamaFamilyDecoder:
         layout).
         """
         return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden,
-                                     exact)
+                                     exact, want_logits)
 
     def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment],
-                         keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False,
+                         want_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward of several sequences' rows at once: every product over all rows (the weights stream once),
         attention per :class:`Segment` over its own cache with its own mask — the very operations each sequence's
         own forward runs, so (the products being row-invariant) each row's result is the same as alone. When every
@@ -167,8 +177,10 @@ class LlamaFamilyDecoder:
             hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
         if slots is not None:
             finish_slot_batch(slots)
+        if not (want_logits or want_hidden):
+            return None, None
         last = self._norm(hidden[keep], self.final_norm, self.eps)
-        (logits,) = self.lm_head(last)
+        logits = self.lm_head(last)[0] if want_logits else None
         return logits, (last if want_hidden else None)
 
     def _slot_batch(self, segments: Sequence[Segment]) -> SlotBatch | None:
@@ -262,14 +274,16 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 def build_decoder(model: nn.Module, packed: bool,
-                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None) -> LlamaFamilyDecoder | None:
-    """The owned forward for ``model`` (its linears from ``quantized`` passes where given), or ``None`` (with the
-    reason logged) where transformers' modules must run."""
+                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
+                  product_dtype: torch.dtype | None = None) -> LlamaFamilyDecoder | None:
+    """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
+    ``product_dtype`` — see :class:`Projection`), or ``None`` (with the reason logged) where transformers' modules
+    must run."""
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed, quantized)
+    return LlamaFamilyDecoder(model, packed, quantized, product_dtype)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

@@ -198,25 +198,37 @@ class Int4Projection:
         for depth, run in itertools.groupby(members, key=len):
             group = list(run)
             self.stacks.append([_pack([passes[i] for passes in group]) for i in range(depth)])
+        ends = list(itertools.accumulate(self.widths))
+        self._bounds = list(zip([0] + ends[:-1], ends))
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         inputs = rows.to(KERNEL_DTYPE).contiguous()
-        products = [_stack_product(inputs, stack) for stack in self.stacks]
-        product = products[0] if len(products) == 1 else torch.cat(products, dim=-1)
+        if len(self.stacks) == 1:
+            product = _stack_product(inputs, self.stacks[0])
+        else:
+            product = torch.cat([_stack_product(inputs, stack) for stack in self.stacks], dim=-1)
         if self.bias is not None:
             product = product + self.bias
-        return list(product.split(self.widths, dim=-1)) if split else [product]
+        if not split or len(self.widths) == 1:
+            return [product]
+        return [product[:, start:stop] for start, stop in self._bounds]
 
 
 def _stack_product(inputs: torch.Tensor, passes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The sum, in float32, of one int4 product per pass."""
-    product = None
-    for packed, scales in passes:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(inputs, packed, GROUP, scales).float()
-        product = out if product is None else product + out
+    """The sum, in float32, of one int4 product per pass (each pass's bfloat16 product converted exactly)."""
+    packed, scales = passes[0]
+    product = _INT4_MM(inputs, packed, GROUP, scales).float()
+    for packed, scales in passes[1:]:
+        product += _INT4_MM(inputs, packed, GROUP, scales)
     return product
+
+
+try:  # the operator's one overload, resolved once (a call through the operator packet resolves it every time)
+    _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+except AttributeError:  # a PyTorch without it: kernel_reason() says so and the int4 path is never built
+    _INT4_MM = None
 
 
 def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
