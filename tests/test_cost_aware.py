@@ -12,6 +12,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth
+from hierspec.drafters.scored import at_context
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.tree import build_tree
@@ -37,10 +38,57 @@ def test_curve_round_trip_and_errors(tmp_path):
         load_curve(tmp_path / "missing.json")
 
 
+# a curve measured over 64 and 1,024 cached tokens: a second row costs 2 ms more over the short context, 8 over the long
+GROWING = CostCurve((1, 2, 8), (10.0, 12.0, 20.0), {}, context=64, long_context=1024, long_ms=(14.0, 22.0, 50.0))
+
+
+def test_a_long_context_curve_round_trips_and_malformed_ones_are_refused(tmp_path):
+    path = tmp_path / "curve.json"
+    save_curve(GROWING, path)
+    assert load_curve(path) == GROWING
+    data = json.loads(path.read_text())
+    for bad in ({"long_ms": [14.0, 22.0]}, {"long_ms": [14.0, -1.0, 50.0]}, {"long_context": 32},
+                {"long_context": "1024"}):
+        path.write_text(json.dumps({**data, **bad}))
+        with pytest.raises(InputError, match="long-context cost curve"):
+            load_curve(path)
+    old = {key: value for key, value in data.items() if key not in ("context", "long_context", "long_ms")}
+    path.write_text(json.dumps(old))  # a curve saved before long contexts were measured
+    assert load_curve(path).context_cost().at(4096)(2) == 12.0  # reads, and does not grow with the context
+
+
+def test_the_cost_grows_linearly_with_the_context_between_and_beyond_the_measured_ones():
+    cost = GROWING.context_cost()
+    assert cost(2) == 12.0 and cost.at(64)(2) == 12.0 and cost.at(10)(2) == 12.0  # at or below the short context
+    assert at_context(cost, 64)(2) == 12.0 and at_context(CPU_LIKE.cost, 4096) == CPU_LIKE.cost  # a plain curve
+    # contexts are read in steps of 128 above the short one: 544 as 64 + 4 * 128 = 576, (576 - 64) / (1024 - 64) of
+    # the way from 12 to 22 ms
+    assert cost.at(544)(2) == pytest.approx(12.0 + 512 / 960 * 10.0)
+    assert cost.at(960)(2) == pytest.approx(12.0 + 896 / 960 * 10.0)  # 64 + 7 * 128: no rounding
+    assert cost.at(2048)(1) == pytest.approx(10.0 + 16 * 128 / 960 * 4.0)  # extended beyond the long context
+    # 4 rows: 12 + 8 / 3 over the short context, 22 + 28 / 3 over the long one
+    assert cost.at(1024)(4) == pytest.approx(12.0 + 8 / 3 + 1024 / 960 * (22.0 + 28 / 3 - 12.0 - 8 / 3))
+
+
+def test_a_tree_that_pays_over_a_short_context_is_cut_over_a_long_one():
+    # 30 of 50 steps that reached each depth accepted it (rates ~0.6): over 64 cached tokens a row costs ~1.3-2 ms
+    # on a 10 ms step and the whole 4-token chain pays; over 4,096 a second row costs ~28 ms more than the ~27 ms
+    # step (the long curve extended 4.3x past the short one), so nothing pays and nothing is drafted
+    drafter = CostAwareDrafter(_Chain(), GROWING.context_cost(), explore_every=1000, max_explore_every=1000)
+    drafter._reached[1:5] = 50.0
+    drafter._accepted[1:5] = 30.0
+    assert drafter.propose(np.arange(64), 8).size == 5
+    assert drafter.propose(np.arange(4096), 8).size == 1 and drafter.skipped_steps == 1
+
+
 def test_measure_cost_curve_on_a_tiny_model(tmp_path):
     target = make_target("llama", vocab_size=64, seed=0, max_positions=256)
     curve = measure_cost_curve(target, sizes=(1, 4, 2), context=16, repeats=2)
     assert curve.sizes == (1, 2, 4) and all(ms > 0 for ms in curve.ms)
+    assert curve.long_ms == () and curve.context_cost().at(200)(4) == curve.context_cost()(4)
+    both = measure_cost_curve(target, sizes=(1, 2), context=16, repeats=2, long_context=128)
+    assert (both.context, both.long_context) == (16, 128) and len(both.long_ms) == 2
+    assert all(ms > 0 for ms in both.long_ms)
     assert curve.identity["model"] == target.name
     assert default_curve_path(target, tmp_path).parent == tmp_path
     assert default_curve_path(target, tmp_path) == default_curve_path(target, tmp_path)  # stable name

@@ -17,8 +17,9 @@ def _model_with_rates(rates: dict) -> AcceptanceModel:
     return model
 
 
-# rate = (hits + 1) / (trials + 4): 15/16 -> 0.8, 4/6 -> 0.5, 2/6 -> 0.3
-RATES = {("a", 0, 1): (15, 16), ("a", 0, 2): (4, 6), ("b", 0, 1): (2, 6)}
+# depth 1: rate = (hits + 1) / (trials + 4): 15/16 -> 0.8, 2/6 -> 0.3; deeper, the prior is 4 trials at the rate of
+# the depth above: 3.8/6 at depth 2 under 0.8 -> (3.8 + 4 * 0.8) / (6 + 4) = 0.7
+RATES = {("a", 0, 1): (15, 16), ("a", 0, 2): (3.8, 6), ("b", 0, 1): (2, 6)}
 
 
 def _bucketed(rows: int) -> float:
@@ -30,8 +31,8 @@ def test_the_docstring_example_keeps_every_node_a_free_bucket_holds():
     scored = select_tree(9, [Candidate((5, 6), "a"), Candidate((7,), "b")], model, _bucketed, budget=8)
     assert scored.tree.tokens.tolist() == [9, 5, 7, 6]
     assert scored.tree.sources == ("root", "a", "b", "a")
-    np.testing.assert_allclose(scored.path_probability, [1.0, 0.8, 0.3, 0.4])
-    assert scored.expected_tokens == pytest.approx(2.5)
+    np.testing.assert_allclose(scored.path_probability, [1.0, 0.8, 0.3, 0.56])
+    assert scored.expected_tokens == pytest.approx(2.66)
 
 
 def test_a_steep_cost_keeps_only_the_nodes_that_pay():
@@ -42,7 +43,7 @@ def test_a_steep_cost_keeps_only_the_nodes_that_pay():
         return 1.0 + 0.5 * (rows - 1)
 
     scored = select_tree(9, candidates, model, steep, budget=8)
-    # 1 node: 1.8 / 1.5 = 1.2; 2 nodes: 2.2 / 2.0 = 1.1; none: 1.0 -> only the 0.8 node
+    # 1 node: 1.8 / 1.5 = 1.2; 2 nodes: 2.36 / 2.0 = 1.18; none: 1.0 -> only the 0.8 node
     assert scored.tree.tokens.tolist() == [9, 5]
 
     def ruinous(rows: int) -> float:
@@ -75,6 +76,8 @@ def test_learning_counts_a_node_only_when_its_parent_was_accepted():
     assert counts(0, 2) == (1, 0)  # node 6: its parent 5 was accepted
     assert counts(0, 3) == (0, 0)  # node 7: its parent 6 was rejected, so it was never really tried
     assert model.rate("a", 0, 1) == pytest.approx(2 / 5)
+    assert model.rate("a", 0, 2) == pytest.approx((0 + 4 * 2 / 5) / (1 + 4))  # rejected once, prior at 2/5
+    assert model.rate("a", 0, 3) == pytest.approx((0 + 4 * 0.32) / (0 + 4))  # never tried: as the depth above
     counts = model.calibration_counts()
     assert sum(counts["nodes"]) == 4 and sum(counts["accepted"]) == 1
 

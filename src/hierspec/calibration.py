@@ -1,8 +1,10 @@
 """The target's verification cost curve on this machine: ``hierspec calibrate`` measures it, drafters read it.
 
 ``measure_cost_curve`` times one verification forward of ``K`` tree tokens (root included) on top of a fixed context
-for a range of ``K``. The curve is saved as JSON (magic, version, the model's identity and the settings it was
-measured with) under ``~/.cache/hierspec/calibration/``, one file per model, device, dtype and thread count.
+for a range of ``K``, and again over a long context (attention's work grows with rows x context, so a tree that pays
+over a short prompt may not over a long one). The curve is saved as JSON (magic, version, the model's identity and
+the settings it was measured with) under ``~/.cache/hierspec/calibration/``, one file per model, device, dtype and
+thread count. Curves saved before the long context was measured still read (their cost does not grow with it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hierspec.drafters.scored import linear_cost
+from hierspec.drafters.scored import ContextCost, linear_cost
 from hierspec.errors import InputError
 from hierspec.loading import user_cache_dir
 from hierspec.machine import cpu_info
@@ -41,19 +43,39 @@ DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Median milliseconds of one verification forward of ``sizes[i]`` tree tokens (root included)."""
+    """Median milliseconds of one verification forward of ``sizes[i]`` tree tokens (root included) over ``context``
+    cached tokens, and (``long_ms``, where measured) over ``long_context``."""
 
     sizes: tuple[int, ...]
     ms: tuple[float, ...]
     identity: dict
+    context: int = 0
+    long_context: int = 0
+    long_ms: tuple[float, ...] = ()
 
     def cost(self, tokens: int) -> float:
         """Interpolated cost of verifying ``tokens`` tree tokens (clamped to the measured range)."""
         return float(np.interp(tokens, self.sizes, self.ms))
 
+    def context_cost(self, buckets: tuple[int, ...] = ()) -> ContextCost:
+        """The cost of ``rows`` tree nodes read at the runtime's padded bucket sizes, made non-decreasing in the
+        rows (a larger tree never costs less, whatever the timing noise), and growing with the context where the
+        long context was measured."""
+        sizes = np.asarray(self.sizes)
+
+        def reader(ms: tuple[float, ...]) -> Callable[[int], float]:
+            rising = np.maximum.accumulate(np.asarray(ms))
+            return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, rising))
+
+        long = reader(self.long_ms) if self.long_ms else None
+        return ContextCost(reader(self.ms), self.context, long, self.long_context)
+
     def to_json(self) -> dict:
-        return {"magic": MAGIC, "version": VERSION, "identity": self.identity,
+        data = {"magic": MAGIC, "version": VERSION, "identity": self.identity,
                 "sizes": list(self.sizes), "ms": list(self.ms)}
+        if self.long_ms:
+            data.update(context=self.context, long_context=self.long_context, long_ms=list(self.long_ms))
+        return data
 
     @classmethod
     def from_json(cls, data: dict, where: str) -> CostCurve:
@@ -67,12 +89,24 @@ class CostCurve:
         if not (isinstance(sizes, list) and isinstance(ms, list) and isinstance(identity, dict)
                 and len(sizes) == len(ms) > 0
                 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in sizes)
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-                        for x in ms)
+                and all(_positive_ms(x) for x in ms)
                 and all(a < b for a, b in zip(sizes, sizes[1:]))):
             raise InputError(f"{where} holds a malformed cost curve (sizes must be increasing whole numbers >= 1, "
                              "times finite and > 0 ms); run `hierspec calibrate` again")
-        return cls(tuple(sizes), tuple(float(x) for x in ms), dict(identity))
+        long_ms = data.get("long_ms", [])
+        context, long_context = data.get("context", 0), data.get("long_context", 0)
+        if long_ms and not (isinstance(long_ms, list) and len(long_ms) == len(sizes)
+                            and all(_positive_ms(x) for x in long_ms)
+                            and all(isinstance(x, int) and not isinstance(x, bool) for x in (context, long_context))
+                            and 0 <= context < long_context):
+            raise InputError(f"{where} holds a malformed long-context cost curve (one finite time > 0 ms per size, "
+                             "0 <= context < long_context); run `hierspec calibrate` again")
+        return cls(tuple(sizes), tuple(float(x) for x in ms), dict(identity), int(context) if long_ms else 0,
+                   int(long_context) if long_ms else 0, tuple(float(x) for x in long_ms))
+
+
+def _positive_ms(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def machine_identity(target: TargetModel) -> dict:
@@ -99,36 +133,44 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
 
 
 def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
-                       repeats: int = 5, seed: int = 0, desc: str = "calibrating") -> CostCurve:
-    """Median time of a verification forward of each size over a random ``context``-token prefix.
+                       repeats: int = 5, seed: int = 0, desc: str = "calibrating",
+                       long_context: int = 0) -> CostCurve:
+    """Median time of a verification forward of each size over a random ``context``-token prefix (and, with
+    ``long_context`` > ``context``, over a ``long_context``-token prefix too).
 
-    One prefilled cache serves every forward (the tree's entries are dropped after each), and the sizes take turns
-    within each repeat, so a drift in the machine's speed spreads over all sizes alike.
+    One prefilled cache per context serves every forward (the tree's entries are dropped after each), and the sizes
+    and contexts take turns within each repeat, so a drift in the machine's speed spreads over all of them alike.
     """
     if not sizes or min(sizes) < 1:
         raise InputError("cost-curve sizes must be >= 1")
-    if context + max(sizes) >= target.max_context:
-        raise InputError(f"context {context} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
+    contexts = [context] + ([long_context] if long_context > context else [])
+    if contexts[-1] + max(sizes) >= target.max_context:
+        raise InputError(f"context {contexts[-1]} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, target.vocab_size, size=context).tolist()
+    ids = rng.integers(0, target.vocab_size, size=contexts[-1]).tolist()
     sizes = tuple(sorted(set(sizes)))
-    trees = [build_tree(ids[-1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
-             for size in sizes]
-    cache = target.new_cache(capacity=context + max(sizes) + 1)
-    target.prefill(cache, ids[:-1])
-    past = cache.get_seq_length()
-    times: list[list[float]] = [[] for _ in sizes]
+    trees = [build_tree(ids[context - 1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()]
+                        if size > 1 else []) for size in sizes]
+    caches = []
+    for length in contexts:
+        cache = target.new_cache(capacity=length + max(sizes) + 1)
+        target.prefill(cache, ids[: length - 1])
+        caches.append((cache, cache.get_seq_length()))
+    times = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
-            target.synchronize()
-            start = time.perf_counter()
-            target.forward_tree(cache, tree)
-            target.synchronize()
-            if repeat:  # the first round warms up
-                times[index].append(1000 * (time.perf_counter() - start))
-            target.keep_path(cache, past, [0])
-            cache.crop(-1)
-    return CostCurve(sizes, tuple(statistics.median(t) for t in times), machine_identity(target))
+            for (cache, past), timed in zip(caches, times):
+                target.synchronize()
+                start = time.perf_counter()
+                target.forward_tree(cache, tree)
+                target.synchronize()
+                if repeat:  # the first round warms up
+                    timed[index].append(1000 * (time.perf_counter() - start))
+                target.keep_path(cache, past, [0])
+                cache.crop(-1)
+    medians = [tuple(statistics.median(t) for t in timed) for timed in times]
+    long = (contexts[1], medians[1]) if len(contexts) > 1 else (0, ())
+    return CostCurve(sizes, medians[0], machine_identity(target), context, *long)
 
 
 def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[int], float]:
@@ -152,13 +194,14 @@ def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[in
         curve = measure_default_curve(target, path)
     if curve is None:
         return lambda rows: linear_cost(bucket_for(rows, buckets))
-    sizes, ms = np.asarray(curve.sizes), np.maximum.accumulate(np.asarray(curve.ms))
-    return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, ms))
+    return curve.context_cost(buckets)
 
 
 #: tree sizes and repeats of the curve measured when none was saved (a few seconds for a 135M model on 2 cores)
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AUTO_REPEATS = 2
+#: the long context the automatic curve is also measured over
+AUTO_LONG_CONTEXT = 1024
 
 
 def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
@@ -169,8 +212,9 @@ def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
         return None
     log.info("no cost curve for %s on this machine yet: measuring one (once; `hierspec calibrate` measures a finer "
              "one)", target.name)
+    long_context = min(AUTO_LONG_CONTEXT, target.max_context - max(sizes) - 1)
     curve = measure_cost_curve(target, sizes, context=64, repeats=AUTO_REPEATS,
-                               desc="measuring this machine's verification cost (once)")
+                               desc="measuring this machine's verification cost (once)", long_context=long_context)
     try:
         save_curve(curve, path)
     except OSError as exc:

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(calibrate)
     calibrate.add_argument("--max-tokens", type=int, default=64, help="largest tree measured (tokens, root included)")
     calibrate.add_argument("--context", type=int, default=128, help="context tokens under the tree")
+    calibrate.add_argument("--long-context", type=int, default=1024,
+                           help="a second, long context the curve is also measured over (drafters interpolate "
+                                "between the two by each step's context; 0 = the short one only)")
     calibrate.add_argument("--repeats", type=int, default=5, help="timed forwards per size (median)")
     calibrate.add_argument("--out", default=None, help="file to write (default: the cache location drafters read)")
 
@@ -282,19 +285,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from hierspec.calibration import DEFAULT_SIZES, default_curve_path, measure_cost_curve, save_curve
 
-    if args.max_tokens < 1 or args.context < 1 or args.repeats < 1:
-        raise InputError("--max-tokens, --context and --repeats must be >= 1")
+    if args.max_tokens < 1 or args.context < 1 or args.repeats < 1 or args.long_context < 0:
+        raise InputError("--max-tokens, --context and --repeats must be >= 1, --long-context >= 0")
     model = _load(args)
     sizes = tuple(k for k in DEFAULT_SIZES if k <= args.max_tokens) or (1,)
-    curve = measure_cost_curve(model, sizes, args.context, args.repeats)
+    long_context = min(args.long_context, model.max_context - max(sizes) - 1)
+    curve = measure_cost_curve(model, sizes, args.context, args.repeats, long_context=long_context)
     path = default_curve_path(model, args.out)
     save_curve(curve, path)
     ident = curve.identity
     print(f"{ident['model']} on {ident['hardware']}, {ident['dtype']}, {ident['threads']} threads, runtime "
           f"{ident['runtime']} with {ident['decoder']}'s decoder")
-    print("| tree tokens | ms | ms per token |\n|---:|---:|---:|")
-    for size, ms in zip(curve.sizes, curve.ms):
-        print(f"| {size} | {ms:.1f} | {ms / size:.2f} |")
+    if curve.long_ms:
+        print(f"| tree tokens | ms over {curve.context} tokens | ms per token | ms over {curve.long_context} tokens |"
+              "\n|---:|---:|---:|---:|")
+        for size, ms, long_ms in zip(curve.sizes, curve.ms, curve.long_ms):
+            print(f"| {size} | {ms:.1f} | {ms / size:.2f} | {long_ms:.1f} |")
+    else:
+        print("| tree tokens | ms | ms per token |\n|---:|---:|---:|")
+        for size, ms in zip(curve.sizes, curve.ms):
+            print(f"| {size} | {ms:.1f} | {ms / size:.2f} |")
     print(f"wrote {path}")
     return 0
 

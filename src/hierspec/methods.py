@@ -110,7 +110,7 @@ class DrafterContext:
         from hierspec.calibration import verification_cost
 
         if self.cost_curve:
-            return self.load_cost_curve().cost
+            return self.load_cost_curve().context_cost()
         return verification_cost(self.target)
 
     def learning_store(self, model_dir: str | None, max_grams: int, successor_k: int):

@@ -35,6 +35,7 @@ import torch
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.scored import ContextCost
 from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
 from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, root_only
@@ -69,8 +70,10 @@ class CostAwareDrafter(Drafter):
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError("explore_every must be >= 1 and <= max_explore_every")
         self.inner = inner
-        # a fixed curve read at up to ~budget row counts in every step: each count is looked up once
-        self.cost = functools.lru_cache(maxsize=None)(cost)
+        # a fixed curve read at up to ~budget row counts in every step: each count is looked up once (per context
+        # step, where the curve grows with the context)
+        self._curve = cost
+        self._cost_now: Callable[[int], float] = functools.lru_cache(maxsize=None)(cost)
         self._backoff = ExplorationBackOff(explore_every, max_explore_every)
         self.name = f"{inner.name}+cost"
         self._reached = np.zeros(MAX_DEPTH + 1)  # steps whose verified tree had depth >= d
@@ -91,6 +94,10 @@ class CostAwareDrafter(Drafter):
         self.skipped_steps = 0
         window = TokenWindow(self.cost, inner.draft_cost)
         self.window = window if inner.use_window(window) else None
+
+    def cost(self, rows: int) -> float:
+        """Milliseconds of verifying ``rows`` tree nodes over the context of the step being drafted."""
+        return self._cost_now(rows)
 
     @property
     def verifier_topk(self) -> int:
@@ -184,6 +191,8 @@ class CostAwareDrafter(Drafter):
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         self._steps += 1
+        if isinstance(self._curve, ContextCost):
+            self._cost_now = self._curve.at(context.shape[0])
         planned = self.plan(budget)
         self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
         if self._exploring:

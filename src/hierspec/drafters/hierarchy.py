@@ -42,7 +42,8 @@ from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseConfig, DenseRetriever
 from hierspec.drafters.exploration import ExplorationBackOff
 from hierspec.drafters.registry import register
-from hierspec.drafters.scored import AcceptanceModel, Candidate, ScoredTree, linear_cost, select_tree
+from hierspec.drafters.scored import (AcceptanceModel, Candidate, ScoredTree, at_context, linear_cost,
+                                      select_tree)
 from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
@@ -357,7 +358,8 @@ class HierarchyDrafter(Drafter):
             return root_only(root)
         if self.config.tree == "scored":
             candidates = self.candidates(context)
-            self._scored = select_tree(root, candidates, self.acceptance, self.cost, budget, self._shared)
+            self._scored = select_tree(root, candidates, self.acceptance, at_context(self.cost, context.shape[0]),
+                                       budget, self._shared)
             if self._scored.tree.size == 1 and candidates and self._due_to_explore():
                 # the single node with the best estimate, whatever the cost curve says
                 self._scored = select_tree(root, candidates, self.acceptance, _flat_cost, 1)

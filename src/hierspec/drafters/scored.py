@@ -3,20 +3,24 @@ best-first set of nodes whose expected accepted length per millisecond is highes
 
 A candidate is a draft sequence from one database with a confidence bin (the database's own evidence: rank, share
 of counts, similarity). :class:`AcceptanceModel` learns, per (source, confidence bin, depth), the probability that a
-node is accepted given that its parent was — from every verified tree, the rejected branches included. A node's
+node is accepted given that its parent was — from every verified tree, the rejected branches included; a depth
+without evidence starts from the rate of the depth above it (a depth the tree never reached would otherwise keep a
+pessimistic prior and never be tried: ``hd`` drafted one token per step through whole copied passages that
+prompt lookup drafted five at a time). A node's
 probability of lying on the accepted path is the product of those rates along its path, so for greedy decoding the
 expected tokens of a step are ``1 + Σ p(node)`` over the tree's nodes (siblings exclude each other).
 :func:`select_tree` takes nodes in decreasing ``p`` (a parent always before its children) and keeps the prefix
 maximising ``(1 + Σ p) / cost(size)`` on the target's cost curve — which is flat within each of the runtime's bucket
 sizes, so free rows get filled and an empty draft wins when nothing pays.
 
-Example: candidates ``[5, 6]`` (rates 0.8, 0.5) and ``[7]`` (rate 0.3) give nodes ``5`` (p 0.8), ``5→6``
-(0.4) and ``7`` (0.3); with a cost of 10 ms up to 4 tree rows and 20 ms beyond, all three are kept (expected 2.5
+Example: candidates ``[5, 6]`` (rates 0.8, 0.7) and ``[7]`` (rate 0.3) give nodes ``5`` (p 0.8), ``5→6``
+(0.56) and ``7`` (0.3); with a cost of 10 ms up to 4 tree rows and 20 ms beyond, all three are kept (expected 2.66
 tokens for 10 ms).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,8 +33,58 @@ from hierspec.tree import DraftTree, build_tree, root_only
 _DEPTH_BINS = np.array([0, 0, 1, 2, 3, 4, 4, 5])  # indexed by depth (0 is the root)
 #: confidence bins per source (0 = strongest evidence)
 CONFIDENCE_BINS = 4
-#: a new (source, bin, depth) cell starts as if it had seen this many acceptances out of this many trials
+#: a (source, bin) pair's first depth starts as if it had seen this many acceptances out of this many trials; each
+#: deeper depth starts from as many trials at the rate of the depth above it
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 4.0
+
+
+class ContextCost:
+    """A verification cost curve that grows with the context under the tree: ``cost(rows)`` at the context the
+    curve was measured at, ``cost.at(context)(rows)`` at another, interpolated linearly in the context between the
+    two measured contexts and extended beyond them (attention's work grows with rows x context: SmolLM2's int4 path
+    on a Zen 4, a 2-token tree over 64 / 1,024 cached tokens costs 13.1 / 21.1 ms).
+
+    Args:
+        rows_cost: the cost of ``rows`` at ``context`` (already read at the runtime's bucket sizes).
+        long_cost: the same at ``long_context``, or ``None`` when only one context was measured (the cost then
+            does not depend on it).
+    """
+
+    def __init__(self, rows_cost: Callable[[int], float], context: int = 0,
+                 long_cost: Callable[[int], float] | None = None, long_context: int = 0) -> None:
+        self._base = functools.lru_cache(maxsize=None)(rows_cost)
+        self._long = long_cost
+        self.context, self.long_context = context, long_context
+
+    def __call__(self, rows: int) -> float:
+        return self._base(rows)
+
+    def at(self, context: int) -> Callable[[int], float]:
+        """The cost curve over ``context`` cached tokens, read at the measured context plus a whole number of
+        :data:`CONTEXT_STEP` tokens at or above ``context`` (each such curve computed once)."""
+        if self._long is None or self.long_context <= self.context:
+            return self._base
+        return self._at_step(max(0, -(-(int(context) - self.context) // CONTEXT_STEP)))
+
+    @functools.lru_cache(maxsize=64)
+    def _at_step(self, steps: int) -> Callable[[int], float]:
+        share = steps * CONTEXT_STEP / (self.long_context - self.context)
+
+        @functools.lru_cache(maxsize=None)
+        def cost(rows: int) -> float:
+            base = self._base(rows)
+            return base + share * max(0.0, self._long(rows) - base)
+
+        return cost
+
+
+#: contexts are read in steps of this many tokens (each step's curve is computed once)
+CONTEXT_STEP = 128
+
+
+def at_context(cost: Callable[[int], float], context: int) -> Callable[[int], float]:
+    """``cost`` over ``context`` cached tokens where it knows how to be (a :class:`ContextCost`), else itself."""
+    return cost.at(context) if isinstance(cost, ContextCost) else cost
 
 
 def linear_cost(rows: int) -> float:
@@ -88,8 +142,18 @@ class AcceptanceModel:
 
     def rate(self, source: str, confidence: int, depth: int) -> float:
         """Probability that a node is accepted given that its parent was."""
-        cell = self.cell(source, confidence, depth)
-        return float((self.hits[cell] + PRIOR_HITS) / (self.trials[cell] + PRIOR_TRIALS))
+        return float(self.rates()[self.cell(source, confidence, depth)])
+
+    def rates(self) -> np.ndarray:
+        """Every cell's rate, ``[sources, confidence bins, depth bins]``: the first depth bin's counts over a prior
+        of :data:`PRIOR_HITS` in :data:`PRIOR_TRIALS`, each deeper bin's over :data:`PRIOR_TRIALS` trials at the
+        rate of the bin above it."""
+        rates = np.empty_like(self.trials)
+        prior = np.full(self.trials.shape[:2], PRIOR_HITS / PRIOR_TRIALS)
+        for level in range(self.trials.shape[2]):
+            prior = (self.hits[..., level] + PRIOR_TRIALS * prior) / (self.trials[..., level] + PRIOR_TRIALS)
+            rates[..., level] = prior
+        return rates
 
     def learn(self, tree: "ScoredTree", verdict: Verdict) -> None:
         """Count, for every node whose parent was accepted, whether the node was accepted too."""
@@ -140,12 +204,12 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     per unit of cost.
     """
     trie = _Trie()
+    rates = model.rates()
     for candidate in candidates:
         node = 0
         for depth, token in enumerate(candidate.tokens, start=1):
-            rate = model.rate(candidate.source, candidate.confidence, depth)
-            node = trie.add(node, int(token), trie.probability[node] * rate, candidate.source,
-                            model.cell(candidate.source, candidate.confidence, depth))
+            cell = model.cell(candidate.source, candidate.confidence, depth)
+            node = trie.add(node, int(token), trie.probability[node] * float(rates[cell]), candidate.source, cell)
     if trie.size == 1 or budget <= 0:
         return _empty(root)
     p = np.asarray(trie.probability)
