@@ -39,7 +39,14 @@ class FakeLlama:
 def fake_llama_cpp(monkeypatch):
     FakeLlama.instances.clear()
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative",
+                        types.SimpleNamespace(LlamaPromptLookupDecoding=FakePromptLookup))
     return FakeLlama
+
+
+class FakePromptLookup:
+    def __init__(self, **options):
+        self.options = options
 
 
 def test_llamacpp_runner_feeds_the_prompt_ids_and_stops_at_eos_or_length(fake_llama_cpp, tmp_path):
@@ -56,11 +63,24 @@ def test_llamacpp_runner_feeds_the_prompt_ids_and_stops_at_eos_or_length(fake_ll
     assert short.token_ids == [7, 8]
 
 
+def test_llamacpp_pld_drafts_with_the_bindings_prompt_lookup_and_reports_no_forwards(fake_llama_cpp, tmp_path):
+    target = make_target("llama", vocab_size=64, seed=1)
+    runner = LlamaCppRunner(target, tmp_path / "m.gguf", GenerationConfig(max_new_tokens=10), threads=2,
+                            label="llamacpp-pld")
+    draft = fake_llama_cpp.instances[0].options["draft_model"]
+    assert isinstance(draft, FakePromptLookup) and draft.options == {"num_pred_tokens": 2}
+    run = runner.run([3, 4, 5])
+    assert run.token_ids == [7, 8, 9, 10, 0] and run.accept_lengths == []  # MAT unknown, reported as n/a
+    assert "draft_model" not in LlamaCppRunner(target, tmp_path / "m.gguf", GenerationConfig(), threads=2).llm.options
+    with pytest.raises(InputError, match="unknown llama.cpp peer"):
+        LlamaCppRunner(target, tmp_path / "m.gguf", GenerationConfig(), threads=2, label="llamacpp-sd")
+
+
 def test_make_runners_builds_llamacpp_from_the_gguf_the_model_came_from(fake_llama_cpp, tmp_path):
     target = make_target("llama", vocab_size=64, seed=1)
     context = DrafterContext(target, model_config=ModelConfig(spec=str(tmp_path / "model.gguf")))
-    runners = make_runners(target, ("llamacpp-ar",), GenerationConfig(max_new_tokens=4), context)
-    assert [r.label for r in runners] == ["ar", "llamacpp-ar"]
+    runners = make_runners(target, ("llamacpp-ar", "llamacpp-pld"), GenerationConfig(max_new_tokens=4), context)
+    assert [r.label for r in runners] == ["ar", "llamacpp-ar", "llamacpp-pld"]
     assert fake_llama_cpp.instances[-1].model_path == str(tmp_path / "model.gguf")
     assert gguf_file(None) == default_model_path() == gguf_file(ModelConfig())
     with pytest.raises(InputError, match="GGUF"):

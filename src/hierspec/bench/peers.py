@@ -1,6 +1,8 @@
 """llama.cpp as a benchmark peer: ``llamacpp-ar`` decodes the same GGUF file with llama.cpp (through its Python
 binding, ``pip install 'hierspec[peers]'``, which compiles llama.cpp where no wheel exists) in the same run,
-interleaved per question like every other method.
+interleaved per question like every other method; ``llamacpp-pld`` does the same with the binding's own prompt-lookup
+drafting (``LlamaPromptLookupDecoding``: the longest of the last 1–2 tokens' earlier matches, ``num_pred_tokens``
+drafted after it — 2, the binding's advice for CPU-only machines; it does not report its forwards, so MAT is n/a).
 
 The prompt is the very token ids hierspec feeds its own methods (the GGUF's vocabulary is the same), prefill
 included in the time, llama.cpp's prefix cache emptied before every answer. Its numerics differ (its own kernels and,
@@ -19,7 +21,9 @@ from hierspec.errors import InputError
 from hierspec.loading import gguf_source
 from hierspec.target import TargetModel
 
-LLAMACPP_METHODS = ("llamacpp-ar",)
+LLAMACPP_METHODS = ("llamacpp-ar", "llamacpp-pld")
+#: tokens llamacpp-pld drafts after a match (llama-cpp-python's advice for CPU-only machines; 10 for GPUs)
+PLD_TOKENS_CPU = 2
 
 
 def gguf_file(model_config: ModelConfig | None) -> Path:
@@ -33,20 +37,27 @@ def gguf_file(model_config: ModelConfig | None) -> Path:
 
 
 class LlamaCppRunner:
-    """Plain decoding by llama.cpp of the GGUF file the target was loaded from."""
+    """Decoding by llama.cpp of the GGUF file the target was loaded from: plain, or (``label="llamacpp-pld"``)
+    with its prompt-lookup drafting."""
 
     def __init__(self, model: TargetModel, path: Path, config: GenerationConfig, threads: int,
-                 context: int = 4096) -> None:
+                 context: int = 4096, label: str = "llamacpp-ar") -> None:
+        if label not in LLAMACPP_METHODS:
+            raise InputError(f"unknown llama.cpp peer {label!r}: use {', '.join(LLAMACPP_METHODS)}")
         try:
             llama_cpp = importlib.import_module("llama_cpp")
         except ImportError:
             raise InputError("llamacpp-ar needs llama.cpp's Python binding: pip install 'hierspec[peers]' "
                              "(it compiles llama.cpp; a few minutes)") from None
-        self.label = "llamacpp-ar"
+        self.label = label
         self.model = model
         self.config = config
+        drafting = {}
+        if label == "llamacpp-pld":
+            speculative = importlib.import_module("llama_cpp.llama_speculative")
+            drafting["draft_model"] = speculative.LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS_CPU)
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                                   n_batch=512, verbose=False)
+                                   n_batch=512, verbose=False, **drafting)
         self.eos = model.eos_token_ids
 
     def describe(self) -> dict:
@@ -66,5 +77,5 @@ class LlamaCppRunner:
             if token in self.eos or len(tokens) >= self.config.max_new_tokens:
                 break
         wall = time.perf_counter() - start
-        return QuestionRun(token_ids=tokens, text=self.model.decode(tokens), wall_time=wall,
-                           accept_lengths=[1] * len(tokens))
+        steps = [1] * len(tokens) if self.label == "llamacpp-ar" else []  # the binding does not count forwards
+        return QuestionRun(token_ids=tokens, text=self.model.decode(tokens), wall_time=wall, accept_lengths=steps)

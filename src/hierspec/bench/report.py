@@ -76,10 +76,10 @@ def write_report(path: Path, summary: dict) -> None:
             f"{_cell(m.get('eta', 0.0), known, '.2f')} | {_cell(100 * m['draft_time_share'], known, '.1f', '%')} | "
             f"{m['identical_to_ar']:.2f} |"
         )
-    if "llamacpp-ar" in methods:
+    if any(label in methods for label in ("llamacpp-ar", "llamacpp-pld")):
         lines += ["", "`llamacpp-ar` is llama.cpp decoding the same GGUF file with its own kernels (and, for a "
-                  "quantized file, its quantized weights): its tokens are shown beside `ar`'s, not expected to "
-                  "equal them."]
+                  "quantized file, its quantized weights), `llamacpp-pld` the same with its binding's prompt-lookup "
+                  "drafting: their tokens are shown beside `ar`'s, not expected to equal them."]
     for metric, title in (("speedup", "Speedup per task"), ("mat", "MAT per task"),
                           ("identical_to_ar", "Identical to ar per task")):
         lines += ["", f"## {title}", "", "| method | " + " | ".join(tasks) + " |",

@@ -170,7 +170,8 @@ def make_runners(model: TargetModel, methods: tuple[str, ...], config: Generatio
         if text in HF_METHODS:
             runners.append(_hf_runner(text, model, config, context))
         elif text in LLAMACPP_METHODS:
-            runners.append(LlamaCppRunner(model, gguf_file(context.model_config), config, torch.get_num_threads()))
+            runners.append(LlamaCppRunner(model, gguf_file(context.model_config), config, torch.get_num_threads(),
+                                          label=text))
         else:
             runners.append(HierspecRunner(model, MethodSpec.parse(text), config, context))
     return runners
