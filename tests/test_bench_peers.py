@@ -69,6 +69,7 @@ def test_llamacpp_pld_drafts_with_the_bindings_prompt_lookup_and_reports_no_forw
                             label="llamacpp-pld")
     draft = fake_llama_cpp.instances[0].options["draft_model"]
     assert isinstance(draft, FakePromptLookup) and draft.options == {"num_pred_tokens": 2}
+    assert fake_llama_cpp.instances[0].options["logits_all"] is True
     run = runner.run([3, 4, 5])
     assert run.token_ids == [7, 8, 9, 10, 0] and run.accept_lengths == []  # MAT unknown, reported as n/a
     assert "draft_model" not in LlamaCppRunner(target, tmp_path / "m.gguf", GenerationConfig(), threads=2).llm.options

@@ -56,6 +56,9 @@ class LlamaCppRunner:
         if label == "llamacpp-pld":
             speculative = importlib.import_module("llama_cpp.llama_speculative")
             drafting["draft_model"] = speculative.LlamaPromptLookupDecoding(num_pred_tokens=PLD_TOKENS_CPU)
+            # the binding verifies drafts from its score rows, kept for the whole context only with logits_all
+            # (without it a prompt longer than n_batch fails: "could not broadcast ... into shape (0,)")
+            drafting["logits_all"] = True
         self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                                    n_batch=512, verbose=False, **drafting)
         self.eos = model.eos_token_ids

@@ -42,7 +42,7 @@ class ContextCost:
     """A verification cost curve that grows with the context under the tree: ``cost(rows)`` at the context the
     curve was measured at, ``cost.at(context)(rows)`` at another, interpolated linearly in the context between the
     two measured contexts and extended beyond them (attention's work grows with rows x context: SmolLM2's int4 path
-    on a Zen 4, a 2-token tree over 64 / 1,024 cached tokens costs 13.1 / 21.1 ms).
+    on a Zen 4, a 2-token tree over 64 / 1,024 cached tokens costs 12.9 / 19.7 ms).
 
     Args:
         rows_cost: the cost of ``rows`` at ``context`` (already read at the runtime's bucket sizes).
