@@ -35,8 +35,8 @@ import torch
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
-from hierspec.drafters.scored import ContextCost
 from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
+from hierspec.drafters.scored import ContextCost
 from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, root_only
 
