@@ -12,7 +12,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth
-from hierspec.drafters.scored import at_context
+from hierspec.drafters.scored import ContextCost
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.tree import build_tree
@@ -60,7 +60,9 @@ def test_a_long_context_curve_round_trips_and_malformed_ones_are_refused(tmp_pat
 def test_the_cost_grows_linearly_with_the_context_between_and_beyond_the_measured_ones():
     cost = GROWING.context_cost()
     assert cost(2) == 12.0 and cost.at(64)(2) == 12.0 and cost.at(10)(2) == 12.0  # at or below the short context
-    assert at_context(cost, 64)(2) == 12.0 and at_context(CPU_LIKE.cost, 4096) == CPU_LIKE.cost  # a plain curve
+    assert ContextCost.of(cost) is cost
+    plain = ContextCost.of(CPU_LIKE.cost)  # a curve measured over one context: the same at every context
+    assert plain.at(4096)(2) == plain.at(64)(2) == CPU_LIKE.cost(2)
     # contexts are read in steps of 128 above the short one: 544 as 64 + 4 * 128 = 576, (576 - 64) / (1024 - 64) of
     # the way from 12 to 22 ms
     assert cost.at(544)(2) == pytest.approx(12.0 + 512 / 960 * 10.0)
@@ -89,6 +91,8 @@ def test_measure_cost_curve_on_a_tiny_model(tmp_path):
     both = measure_cost_curve(target, sizes=(1, 2), context=16, repeats=2, long_context=128)
     assert (both.context, both.long_context) == (16, 128) and len(both.long_ms) == 2
     assert all(ms > 0 for ms in both.long_ms)
+    held = measure_cost_curve(target, sizes=(1, 2), context=16, repeats=1, long_context=10_000)
+    assert held.long_context == 256 - 2 - 1  # as long as the model's context holds beside the largest tree
     assert curve.identity["model"] == target.name
     assert default_curve_path(target, tmp_path).parent == tmp_path
     assert default_curve_path(target, tmp_path) == default_curve_path(target, tmp_path)  # stable name

@@ -136,16 +136,18 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
                        repeats: int = 5, seed: int = 0, desc: str = "calibrating",
                        long_context: int = 0) -> CostCurve:
     """Median time of a verification forward of each size over a random ``context``-token prefix (and, with
-    ``long_context`` > ``context``, over a ``long_context``-token prefix too).
+    ``long_context`` > ``context``, over a ``long_context``-token prefix too, shortened to what the model's context
+    holds beside the largest tree).
 
     One prefilled cache per context serves every forward (the tree's entries are dropped after each), and the sizes
     and contexts take turns within each repeat, so a drift in the machine's speed spreads over all of them alike.
     """
     if not sizes or min(sizes) < 1:
         raise InputError("cost-curve sizes must be >= 1")
+    if context + max(sizes) >= target.max_context:
+        raise InputError(f"context {context} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
+    long_context = min(long_context, target.max_context - max(sizes) - 1)
     contexts = [context] + ([long_context] if long_context > context else [])
-    if contexts[-1] + max(sizes) >= target.max_context:
-        raise InputError(f"context {contexts[-1]} + {max(sizes)} tree tokens exceed the model's {target.max_context}")
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, target.vocab_size, size=contexts[-1]).tolist()
     sizes = tuple(sorted(set(sizes)))
@@ -212,9 +214,8 @@ def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
         return None
     log.info("no cost curve for %s on this machine yet: measuring one (once; `hierspec calibrate` measures a finer "
              "one)", target.name)
-    long_context = min(AUTO_LONG_CONTEXT, target.max_context - max(sizes) - 1)
     curve = measure_cost_curve(target, sizes, context=64, repeats=AUTO_REPEATS,
-                               desc="measuring this machine's verification cost (once)", long_context=long_context)
+                               desc="measuring this machine's verification cost (once)", long_context=AUTO_LONG_CONTEXT)
     try:
         save_curve(curve, path)
     except OSError as exc:

@@ -289,22 +289,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise InputError("--max-tokens, --context and --repeats must be >= 1, --long-context >= 0")
     model = _load(args)
     sizes = tuple(k for k in DEFAULT_SIZES if k <= args.max_tokens) or (1,)
-    long_context = min(args.long_context, model.max_context - max(sizes) - 1)
-    curve = measure_cost_curve(model, sizes, args.context, args.repeats, long_context=long_context)
+    curve = measure_cost_curve(model, sizes, args.context, args.repeats, long_context=args.long_context)
     path = default_curve_path(model, args.out)
     save_curve(curve, path)
     ident = curve.identity
     print(f"{ident['model']} on {ident['hardware']}, {ident['dtype']}, {ident['threads']} threads, runtime "
           f"{ident['runtime']} with {ident['decoder']}'s decoder")
-    if curve.long_ms:
-        print(f"| tree tokens | ms over {curve.context} tokens | ms per token | ms over {curve.long_context} tokens |"
-              "\n|---:|---:|---:|---:|")
-        for size, ms, long_ms in zip(curve.sizes, curve.ms, curve.long_ms):
-            print(f"| {size} | {ms:.1f} | {ms / size:.2f} | {long_ms:.1f} |")
-    else:
-        print("| tree tokens | ms | ms per token |\n|---:|---:|---:|")
-        for size, ms in zip(curve.sizes, curve.ms):
-            print(f"| {size} | {ms:.1f} | {ms / size:.2f} |")
+    heads = ["tree tokens", f"ms over {curve.context} tokens" if curve.long_ms else "ms", "ms per token"]
+    heads += [f"ms over {curve.long_context} tokens"] if curve.long_ms else []
+    print("| " + " | ".join(heads) + " |\n|" + "---:|" * len(heads))
+    for index, (size, ms) in enumerate(zip(curve.sizes, curve.ms)):
+        cells = [str(size), f"{ms:.1f}", f"{ms / size:.2f}"]
+        cells += [f"{curve.long_ms[index]:.1f}"] if curve.long_ms else []
+        print("| " + " | ".join(cells) + " |")
     print(f"wrote {path}")
     return 0
 

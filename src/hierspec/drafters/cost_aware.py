@@ -25,7 +25,6 @@ reproducible. Cutting or skipping a draft never changes the output: any tree is 
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
@@ -72,8 +71,8 @@ class CostAwareDrafter(Drafter):
         self.inner = inner
         # a fixed curve read at up to ~budget row counts in every step: each count is looked up once (per context
         # step, where the curve grows with the context)
-        self._curve = cost
-        self._cost_now: Callable[[int], float] = functools.lru_cache(maxsize=None)(cost)
+        self._curve = ContextCost.of(cost)
+        self._cost_now: Callable[[int], float] = self._curve
         self._backoff = ExplorationBackOff(explore_every, max_explore_every)
         self.name = f"{inner.name}+cost"
         self._reached = np.zeros(MAX_DEPTH + 1)  # steps whose verified tree had depth >= d
@@ -191,8 +190,7 @@ class CostAwareDrafter(Drafter):
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         self._steps += 1
-        if isinstance(self._curve, ContextCost):
-            self._cost_now = self._curve.at(context.shape[0])
+        self._cost_now = self._curve.at(context.shape[0])
         planned = self.plan(budget)
         self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
         if self._exploring:

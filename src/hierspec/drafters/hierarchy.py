@@ -42,7 +42,7 @@ from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseConfig, DenseRetriever
 from hierspec.drafters.exploration import ExplorationBackOff
 from hierspec.drafters.registry import register
-from hierspec.drafters.scored import (AcceptanceModel, Candidate, ScoredTree, at_context, linear_cost,
+from hierspec.drafters.scored import (AcceptanceModel, Candidate, ContextCost, ScoredTree, linear_cost,
                                       select_tree)
 from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
 from hierspec.errors import InputError
@@ -306,7 +306,7 @@ class HierarchyDrafter(Drafter):
         self._leaders = {SOURCE_NAMES[letter] for letter in self.config.lead}
         self._proposed_length = 0
         self._prompt_length = 0
-        self.cost = cost or linear_cost
+        self.cost = ContextCost.of(cost or linear_cost)
         self.acceptance = AcceptanceModel([name for name, _ in self.databases])
         self._scored: ScoredTree | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
@@ -358,7 +358,7 @@ class HierarchyDrafter(Drafter):
             return root_only(root)
         if self.config.tree == "scored":
             candidates = self.candidates(context)
-            self._scored = select_tree(root, candidates, self.acceptance, at_context(self.cost, context.shape[0]),
+            self._scored = select_tree(root, candidates, self.acceptance, self.cost.at(context.shape[0]),
                                        budget, self._shared)
             if self._scored.tree.size == 1 and candidates and self._due_to_explore():
                 # the single node with the best estimate, whatever the cost curve says

@@ -53,8 +53,14 @@ class ContextCost:
     def __init__(self, rows_cost: Callable[[int], float], context: int = 0,
                  long_cost: Callable[[int], float] | None = None, long_context: int = 0) -> None:
         self._base = functools.lru_cache(maxsize=None)(rows_cost)
-        self._long = long_cost
+        self._long = long_cost if long_context > context else None
         self.context, self.long_context = context, long_context
+        self._by_step: dict[int, Callable[[int], float]] = {}
+
+    @staticmethod
+    def of(cost: Callable[[int], float]) -> ContextCost:
+        """``cost`` itself when it is a :class:`ContextCost`, else one that does not grow with the context."""
+        return cost if isinstance(cost, ContextCost) else ContextCost(cost)
 
     def __call__(self, rows: int) -> float:
         return self._base(rows)
@@ -62,29 +68,27 @@ class ContextCost:
     def at(self, context: int) -> Callable[[int], float]:
         """The cost curve over ``context`` cached tokens, read at the measured context plus a whole number of
         :data:`CONTEXT_STEP` tokens at or above ``context`` (each such curve computed once)."""
-        if self._long is None or self.long_context <= self.context:
+        if self._long is None:
             return self._base
-        return self._at_step(max(0, -(-(int(context) - self.context) // CONTEXT_STEP)))
+        steps = max(0, -(-(int(context) - self.context) // CONTEXT_STEP))
+        if steps not in self._by_step:
+            self._by_step[steps] = self._curve_at(steps * CONTEXT_STEP / (self.long_context - self.context))
+        return self._by_step[steps]
 
-    @functools.lru_cache(maxsize=64)
-    def _at_step(self, steps: int) -> Callable[[int], float]:
-        share = steps * CONTEXT_STEP / (self.long_context - self.context)
+    def _curve_at(self, share: float) -> Callable[[int], float]:
+        """The short curve plus ``share`` of the long curve's excess over it, per row count."""
+        long = self._long
 
         @functools.lru_cache(maxsize=None)
         def cost(rows: int) -> float:
             base = self._base(rows)
-            return base + share * max(0.0, self._long(rows) - base)
+            return base + share * max(0.0, long(rows) - base)
 
         return cost
 
 
 #: contexts are read in steps of this many tokens (each step's curve is computed once)
 CONTEXT_STEP = 128
-
-
-def at_context(cost: Callable[[int], float], context: int) -> Callable[[int], float]:
-    """``cost`` over ``context`` cached tokens where it knows how to be (a :class:`ContextCost`), else itself."""
-    return cost.at(context) if isinstance(cost, ContextCost) else cost
 
 
 def linear_cost(rows: int) -> float:

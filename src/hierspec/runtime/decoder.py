@@ -69,11 +69,11 @@ class Projection:
         if self.product_dtype is not None:
             product = F.linear(rows.to(self.product_dtype), self.weight).to(rows.dtype)
             product = product if self.bias is None else product + self.bias
-            return list(product.split(self.widths, dim=-1)) if split else [product]
-        if self.packed:
+        elif self.packed:
             product = packed_linear(rows, self.weight, self.bias)
-            return list(product.split(self.widths, dim=-1)) if split else [product]
-        return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
+        else:
+            return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
+        return list(product.split(self.widths, dim=-1)) if split else [product]
 
 
 @dataclass(frozen=True)
