@@ -119,14 +119,18 @@ def machine_identity(target: TargetModel) -> dict:
     return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": device,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
-            "decoder": "hierspec" if target.runtime.decoder is not None else "transformers"}
+            "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
+            "int4_kernel": getattr(target.runtime, "int4_kernel", None) if target.runtime.kind == "int4" else None}
 
 
 def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
     """Where the cost curve of this model on this machine setting lives."""
     ident = machine_identity(target)
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
-    setting = hashlib.sha256(f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}".encode()).hexdigest()[:8]
+    # the compiled int4 kernel's curves are its own; PyTorch's kernel keeps the name its curves always had
+    kernel = "|compiled" if ident.get("int4_kernel") == "compiled" else ""
+    setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}"
+    setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
     name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
             f"-{setting}.json")
     return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name

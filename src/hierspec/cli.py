@@ -32,6 +32,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "kernel; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
                             "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
                             "it can run)")
+    group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch"],
+                       help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
+                            "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows) or auto (the default: the "
+                            "faster of the two here, timed at load)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +196,8 @@ def _model_config(args: argparse.Namespace):
     from hierspec.config import ModelConfig
 
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
-                       runtime=args.runtime, attention=args.attention)
+                       runtime=args.runtime, attention=args.attention,
+                       int4_kernel=args.int4_kernel)
 
 
 def _load(args: argparse.Namespace):

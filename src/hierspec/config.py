@@ -122,6 +122,9 @@ class ModelConfig:
             ``"sdpa"`` (PyTorch's attention: chains bit-exact, nodes of other branches may differ in the last bits) or
             ``"exact"`` (every tree row bit-identical to plain decoding; costs more per forward, BENCHMARKS.md "Exact
             tree attention"; hierspec's own decoder on the CPU only).
+        int4_kernel: which kernel multiplies a GGUF file's codes on the int4 path: ``"auto"`` (the faster of the
+            two that work here, timed once per process), ``"compiled"`` (hierspec's own, built for this CPU;
+            float32 rows) or ``"torch"`` (PyTorch's weight-only int4 kernel; bfloat16 rows).
     """
 
     spec: str | None = None
@@ -132,8 +135,11 @@ class ModelConfig:
     local_files_only: bool = False
     runtime: str = "auto"
     attention: str = "auto"
+    int4_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.int4_kernel not in {"auto", "compiled", "torch"}:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled or torch")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.attention not in {"auto", "sdpa", "exact"}:

@@ -25,6 +25,7 @@ from hierspec.checksums import file_sha256
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
 from hierspec.model_names import named_model_file
+from hierspec.paths import user_cache_dir  # noqa: F401 - re-exported: callers import it from here
 from hierspec.runtime.onednn import native_bfloat16
 from hierspec.storage import as_os_error
 
@@ -80,12 +81,6 @@ def resolve_dtype(dtype: str, device: torch.device, quantized_file: bool = False
             return torch.bfloat16
         return torch.float32 if quantized_file or not native_bfloat16() else torch.bfloat16
     return _DTYPES[dtype]
-
-
-def user_cache_dir() -> Path:
-    """hierspec's cache directory under the XDG cache home (``~/.cache/hierspec`` by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hierspec"
 
 
 def gguf_cache_path(gguf: Path, cache_root: Path) -> Path:

@@ -7,6 +7,7 @@ line, or turns the feature that needs the disk off; :func:`storage_problem` word
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import tempfile
@@ -58,3 +59,19 @@ def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
         return None
     code = int(found.group(1))
     return OSError(code, os.strerror(code), str(path))
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write JSON through a temporary file renamed into place; a failed write leaves neither a partial file nor
+    the temporary one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

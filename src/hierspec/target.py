@@ -251,7 +251,7 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     chosen explicitly (``--dtype float32`` expands them) or another runtime was named."""
     gguf = gguf_source(config) if config.dtype == "auto" else None
     if gguf is None:
-        return RuntimeConfig(kind=config.runtime, attention=config.attention)
+        return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
-                         attention=config.attention)
+                         attention=config.attention, int4_kernel=config.int4_kernel)

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hierspec.datastore.format import HEADER_FILE, DatastoreError, read_header
+from hierspec.storage import write_json_atomic  # noqa: F401 - re-exported: callers import it from here
 
 log = logging.getLogger(__name__)
 
@@ -208,14 +209,3 @@ def resumable_work_dir(out_dir: Path, params: dict, restart: bool = False) -> Pa
     work.mkdir(parents=True)
     write_json_atomic(work / BUILD_FILE, params)
     return work
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON through a temporary file renamed into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)

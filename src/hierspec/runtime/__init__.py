@@ -37,7 +37,7 @@ from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCach
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
-from hierspec.runtime.quantized import Int4Weight, kernel_reason, load_gguf_weights
+from hierspec.runtime.quantized import Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,8 @@ class RuntimeConfig:
             ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact, other branches' nodes may differ in the
             last bits, which flipped near-ties on a Zen 4) or ``"exact"`` (:mod:`~hierspec.runtime.exact_attention`:
             every tree row bit-identical to plain decoding; needs hierspec's own decoder, an error otherwise).
+        int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"`` or ``"torch"``
+            (:func:`~hierspec.runtime.quantized.resolve_kernel`).
     """
 
     kind: str = "auto"
@@ -88,6 +90,7 @@ class RuntimeConfig:
     gguf: str | None = None
     gguf_cache: str | None = None
     attention: str = "auto"
+    int4_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in RUNTIME_KINDS:
@@ -97,6 +100,8 @@ class RuntimeConfig:
             raise InputError("runtime buckets must be increasing positive row counts")
         if self.decoder not in ("auto", "transformers"):
             raise InputError(f"unknown decoder {self.decoder!r}: use auto or transformers")
+        if self.int4_kernel not in ("auto", "compiled", "torch"):
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled or torch")
         if self.attention not in ATTENTIONS:
             raise InputError(f"unknown attention {self.attention!r}: use {', '.join(ATTENTIONS)}")
 
@@ -117,10 +122,11 @@ class Runtime:
         self.decoder: LlamaFamilyDecoder | None = None
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.packing = None
+        self.int4_kernel: str | None = None
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
-            self.decoder = build_decoder(model, packed=False, quantized=quantized)
+            self.decoder = build_decoder(model, packed=False, quantized=quantized, int4_kernel=self.int4_kernel)
             # prompts are read through the file's weights expanded (held anyway): on many rows the int4 kernel is
             # compute-bound and takes twice as long (BENCHMARKS.md, "int4 prefill"). Where the CPU computes
             # bfloat16 natively, their products run on a bfloat16 copy of the layers' weights, 2.4x faster than
@@ -178,7 +184,10 @@ class Runtime:
             return "the int4 path runs on the CPU only"
         if self.config.decoder != "auto":
             return "the int4 path needs hierspec's own decoder (--decoder transformers was asked for)"
-        return decoder_reason(self.model) or kernel_reason()
+        reason = decoder_reason(self.model)
+        if reason is None:
+            self.int4_kernel, reason = resolve_kernel(self.config.int4_kernel)
+        return reason
 
     def _packing_reason(self) -> str | None:
         """Why linears run unpacked (``--runtime eager``, not the CPU, a dtype oneDNN does not pack), or ``None``."""
@@ -198,6 +207,7 @@ class Runtime:
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
                 "attention": "exact" if self.exact else "sdpa",
+                "int4_kernel": self.int4_kernel if self.kind == "int4" else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:

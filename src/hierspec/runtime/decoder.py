@@ -107,7 +107,7 @@ class LlamaFamilyDecoder:
 
     def __init__(self, model: nn.Module, packed: bool,
                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
-                 product_dtype: torch.dtype | None = None) -> None:
+                 product_dtype: torch.dtype | None = None, int4_kernel: str = "torch") -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -123,7 +123,7 @@ class LlamaFamilyDecoder:
         def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None)
-            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears])
+            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears], int4_kernel)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
         self.lm_head = projection(model.get_output_embeddings(), copy=False)
@@ -275,7 +275,7 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 def build_decoder(model: nn.Module, packed: bool,
                   quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
-                  product_dtype: torch.dtype | None = None) -> LlamaFamilyDecoder | None:
+                  product_dtype: torch.dtype | None = None, int4_kernel: str = "torch") -> LlamaFamilyDecoder | None:
     """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
     ``product_dtype`` — see :class:`Projection`), or ``None`` (with the reason logged) where transformers' modules
     must run."""
@@ -283,7 +283,7 @@ def build_decoder(model: nn.Module, packed: bool,
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed, quantized, product_dtype)
+    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

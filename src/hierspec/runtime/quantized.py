@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from hierspec import checksums
+from hierspec.runtime import int4_kernel
 
 log = logging.getLogger(__name__)
 
@@ -183,37 +184,55 @@ def kernel_reason() -> str | None:
 
 
 class Int4Projection:
-    """Several quantized linears applied to one input (q/k/v, gate/up): one int4 product per pass of their stacked
-    weights, outputs in float32 (plus the float32 biases). Neighbouring members with the same number of passes are
-    stacked together (a ``Q6_K`` value projection beside ``Q4_K`` queries and keys is a stack of its own).
+    """Several quantized linears applied to one input (q/k/v, gate/up): one int4 product of their stacked weights,
+    outputs in float32 (plus the float32 biases). Neighbouring members with the same number of passes are stacked
+    together (a ``Q6_K`` value projection beside ``Q4_K`` queries and keys is a stack of its own).
 
-    Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
+    ``kernel``: ``"compiled"`` (:mod:`~hierspec.runtime.int4_kernel`: float32 rows, float32 scales, every pass in
+    one call) or ``"torch"`` (PyTorch's kernel: bfloat16 rows and scales, one call per pass) — see
+    :func:`resolve_kernel`. Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one
+    tensor for all members).
     """
 
     packed = True
 
-    def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None]) -> None:
+    def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None],
+                 kernel: str = "torch") -> None:
+        self.kernel = kernel
         self.widths = [passes[0].codes.shape[0] for passes in members]
-        self.stacks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.stacks: list = []
         for depth, run in itertools.groupby(members, key=len):
             group = list(run)
-            self.stacks.append([_pack([passes[i] for passes in group]) for i in range(depth)])
+            per_pass = [[passes[i] for passes in group] for i in range(depth)]
+            if kernel == "compiled":
+                self.stacks.append(int4_kernel.pack_passes([torch.cat([w.codes for w in ws]) for ws in per_pass],
+                                                           [torch.cat([w.scales for w in ws]) for ws in per_pass],
+                                                           [torch.cat([w.zeros for w in ws]) for ws in per_pass]))
+            else:
+                self.stacks.append([_pack(ws) for ws in per_pass])
         ends = list(itertools.accumulate(self.widths))
         self._bounds = list(zip([0] + ends[:-1], ends))
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
+        self._product = _compiled_product if kernel == "compiled" else _stack_product
+        self._dtype = torch.float32 if kernel == "compiled" else KERNEL_DTYPE
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
-        inputs = rows.to(KERNEL_DTYPE).contiguous()
+        inputs = rows.to(self._dtype).contiguous()
         if len(self.stacks) == 1:
-            product = _stack_product(inputs, self.stacks[0])
+            product = self._product(inputs, self.stacks[0])
         else:
-            product = torch.cat([_stack_product(inputs, stack) for stack in self.stacks], dim=-1)
+            product = torch.cat([self._product(inputs, stack) for stack in self.stacks], dim=-1)
         if self.bias is not None:
             product = product + self.bias
         if not split or len(self.widths) == 1:
             return [product]
         return [product[:, start:stop] for start, stop in self._bounds]
+
+
+def _compiled_product(inputs: torch.Tensor, weight: int4_kernel.PackedInt4) -> torch.Tensor:
+    module, _ = int4_kernel.compiled_kernel()
+    return int4_kernel.int4_mm(module, inputs, weight)
 
 
 def _stack_product(inputs: torch.Tensor, passes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -229,6 +248,54 @@ try:  # the operator's one overload, resolved once (a call through the operator 
     _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 except AttributeError:  # a PyTorch without it: kernel_reason() says so and the int4 path is never built
     _INT4_MM = None
+
+
+def resolve_kernel(choice: str = "auto") -> tuple[str | None, str | None]:
+    """``(kernel, None)`` — which int4 kernel runs for ``choice`` (``"auto"``, ``"compiled"`` or ``"torch"``) —
+    or ``(None, reason)`` when the asked kernel (with ``auto``: either) cannot run here.
+
+    ``auto`` takes the only one that works, or, when both do, the faster in a short interleaved timing at 1 and 4
+    rows (:func:`~hierspec.runtime.int4_kernel.choose_kernel`), timed once per machine and thread count and kept
+    in a file beside the compiled kernel.
+    """
+    if choice not in int4_kernel.KERNEL_CHOICES:
+        raise ValueError(f"unknown int4 kernel {choice!r}: use {', '.join(int4_kernel.KERNEL_CHOICES)}")
+    torch_reason = kernel_reason()
+    compiled_reason = None if choice == "torch" else int4_kernel.compiled_kernel()[1]
+    if choice == "torch":
+        return (None, torch_reason) if torch_reason else ("torch", None)
+    if choice == "compiled":
+        return (None, compiled_reason) if compiled_reason else ("compiled", None)
+    if compiled_reason and torch_reason:
+        return None, f"{torch_reason}; {compiled_reason}"
+    if compiled_reason or torch_reason:
+        log.info("int4 products by %s: %s", "PyTorch's kernel" if compiled_reason else "the compiled kernel",
+                 compiled_reason or torch_reason)
+        return ("torch" if compiled_reason else "compiled"), None
+    return _timed_choice(torch.get_num_threads()), None
+
+
+@functools.lru_cache(maxsize=None)
+def _timed_choice(threads: int) -> str:
+    """The faster kernel here: read from the choice file beside the compiled kernel (one per thread count), or
+    timed and written there, so that every process on this machine runs the same model (a fresh timing could flip
+    between two close kernels and, with it, the last bits of every product)."""
+    path = int4_kernel.choice_path(threads)
+    chosen = int4_kernel.read_choice(path)
+    if chosen is not None:
+        return chosen
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = int4_kernel.CHOICE_SHAPE
+    weight = [Int4Weight(torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8),
+                         torch.rand(out_features, in_features // GROUP, generator=generator),
+                         torch.rand(out_features, in_features // GROUP, generator=generator))]
+    projections = {name: Int4Projection([weight], [None], kernel=name) for name in ("torch", "compiled")}
+    timings = int4_kernel.time_kernels(projections, in_features)
+    chosen = int4_kernel.choose_kernel(timings)
+    log.info("int4 products by the %s kernel (ms at %s rows: %s)", chosen, "/".join(map(str, int4_kernel.CHOICE_ROWS)),
+             "; ".join(f"{name} " + "/".join(f"{t * 1e3:.3f}" for t in times) for name, times in timings.items()))
+    int4_kernel.write_choice(path, chosen, timings)
+    return chosen
 
 
 def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:

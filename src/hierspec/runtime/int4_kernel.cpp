@@ -1,0 +1,175 @@
+// hierspec's int4 product for the few rows of a verification forward (see int4_kernel.py for why and how it is built).
+//
+// A weight [N, K] is P passes of 4-bit codes in groups of 32 inputs; pass p's element is code * scale[p] and the
+// passes' offsets are folded into one bias per group, so that
+//     out[m, n] = sum_g sum_p scale[p, n, g] * (sum_j code[p, n, 32g + j] * x[m, 32g + j]) + sum_g bias[n, g] * xsum[m, g]
+// with xsum[m, g] the sum of row m's 32 inputs of group g. Group g's 16 code bytes hold element j in the low nibble
+// and element j + 16 in the high nibble (GGUF's Q4_0/Q4_1 order), so both halves decode with one AND or shift.
+//
+// Batch invariance: every (m, n) result is one fixed sequence of vector operations (16 lanes with AVX-512, else 8) (gcc vector extensions,
+// one per source expression), whatever the number of rows, how rows and outputs are tiled, or how the outputs are
+// split between threads. A row's products are therefore bit-identical alone, in a chain or anywhere in a tree.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// the CPU's vector width: 16 float lanes with AVX-512, else 8 (gcc lowers wider vector types badly without it)
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+
+constexpr int64_t kGroup = 32;
+constexpr int kChunks = 16 / kLanes;  // vectors per half group
+constexpr int64_t kGrain = 64;        // outputs per parallel task at least
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float lane_sum(vf v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// bytes widened to int32 lanes first (vpmovzxbd: gcc scalarises the generic conversion in some contexts): masks,
+// shifts and the float conversion then run on 32-bit lanes, native on AVX2 and AVX-512 alike
+inline vi widen(const uint8_t* bytes) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+#else
+  return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+#endif
+}
+
+inline vf to_float(vi v) { return __builtin_convertvector(v, vf); }
+
+struct Weight {
+  const uint8_t* codes;  // [P, N, K / 2]
+  const float* scale;    // [P, N, K / 32]
+  const float* bias;     // [N, K / 32]
+  int64_t passes, n, k;
+};
+
+inline float dot_groups(const float* a, const float* b, int64_t groups) {
+  vf part{};
+  int64_t g = 0;
+  for (; g + kLanes <= groups; g += kLanes) part = load(a + g) * load(b + g) + part;
+  float tail = 0.f;
+  for (; g < groups; ++g) tail = a[g] * b[g] + tail;
+  return lane_sum(part) + tail;
+}
+
+// MT rows x NB outputs: each group's codes decoded once and used by every row of the tile
+template <int MT, int NB>
+void tile(const Weight& w, const float* x, const float* xsum, float* out, int64_t n0) {
+  const int64_t groups = w.k / kGroup, plane = w.n * (w.k / 2), scales = w.n * groups;
+  vf acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = vf{};
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < w.passes; ++p) {
+      vf lo[NB][kChunks], hi[NB][kChunks];
+      float s[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* bytes = w.codes + p * plane + (n0 + j) * (w.k / 2) + g * 16;
+        for (int c = 0; c < kChunks; ++c) {
+          const vi b = widen(bytes + c * kLanes);
+          lo[j][c] = to_float(b & 15);
+          hi[j][c] = to_float(b >> 4);
+        }
+        s[j] = w.scale[p * scales + (n0 + j) * groups + g];
+      }
+      for (int m = 0; m < MT; ++m) {
+        const float* xg = x + m * w.k + g * kGroup;
+        vf xl[kChunks], xh[kChunks];
+        for (int c = 0; c < kChunks; ++c) {
+          xl[c] = load(xg + c * kLanes);
+          xh[c] = load(xg + 16 + c * kLanes);
+        }
+        for (int j = 0; j < NB; ++j) {
+          vf t = lo[j][0] * xl[0];
+          t = hi[j][0] * xh[0] + t;
+          for (int c = 1; c < kChunks; ++c) {
+            t = lo[j][c] * xl[c] + t;
+            t = hi[j][c] * xh[c] + t;
+          }
+          acc[m][j] = s[j] * t + acc[m][j];
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j)
+      out[m * w.n + n0 + j] = lane_sum(acc[m][j]) + dot_groups(w.bias + (n0 + j) * groups, xsum + m * groups, groups);
+}
+
+template <int MT>
+void outputs(const Weight& w, const float* x, const float* xsum, float* out, int64_t begin, int64_t end) {
+  // MT x NB accumulators, the decoded codes and the inputs fit the vector registers (32 with AVX-512, else 16)
+  constexpr int NB = kLanes == 16 ? (MT <= 2 ? 4 : 2) : (MT <= 2 ? 2 : 1);
+  int64_t n = begin;
+  for (; n + NB <= end; n += NB) tile<MT, NB>(w, x, xsum, out, n);
+  for (; n < end; ++n) tile<MT, 1>(w, x, xsum, out, n);
+}
+
+void rows_of_outputs(const Weight& w, const float* x, const float* xsum, float* out, int64_t rows, int64_t begin,
+                     int64_t end) {
+  const int64_t groups = w.k / kGroup;
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) outputs<4>(w, x + m * w.k, xsum + m * groups, out + m * w.n, begin, end);
+  const float* xr = x + m * w.k;
+  const float* sr = xsum + m * groups;
+  float* orow = out + m * w.n;
+  switch (rows - m) {
+    case 3: outputs<3>(w, xr, sr, orow, begin, end); break;
+    case 2: outputs<2>(w, xr, sr, orow, begin, end); break;
+    case 1: outputs<1>(w, xr, sr, orow, begin, end); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// x: float32 [M, K]; codes: uint8 [P, N, K / 2]; scale: float32 [P, N, K / 32]; bias: float32 [N, K / 32].
+// Returns float32 [M, N].
+torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                      const torch::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+              "codes: contiguous uint8 [P, N, K / 2]");
+  const int64_t rows = x.size(0), k = x.size(1), passes = codes.size(0), n = codes.size(1), groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0 && codes.size(2) * 2 == k, "K must be a multiple of 32 and match the codes");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+                  scale.sizes() == torch::IntArrayRef({passes, n, groups}), "scale: contiguous float32 [P, N, K / 32]");
+  TORCH_CHECK(bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 &&
+                  bias.sizes() == torch::IntArrayRef({n, groups}), "bias: contiguous float32 [N, K / 32]");
+  auto xsum = torch::empty({rows, groups}, x.options());
+  auto out = torch::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* sp = xsum.data_ptr<float>();
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    vf part = load(xp + i * kGroup);
+    for (int c = 1; c < kGroup / kLanes; ++c) part = part + load(xp + i * kGroup + c * kLanes);
+    sp[i] = lane_sum(part);
+  }
+  const Weight w{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias.data_ptr<float>(), passes, n, k};
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs(w, xp, sp, op, rows, begin, end); });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows"); }

@@ -1,0 +1,210 @@
+"""hierspec's own int4 product (``int4_kernel.cpp``), compiled once per CPU, and the choice between it and PyTorch's.
+
+PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams a GGUF file's 4-bit weights at
+about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
+kernel"). The compiled kernel multiplies float32 rows by the file's codes with float32 scales and offsets, decoding
+each group of 32 codes once for up to four rows, threaded by PyTorch's own pool (``at::parallel_for``: no second
+set of threads competing for the two cores). Its results are batch-invariant by construction (see the source's
+header), so a tree row's products equal the chain's.
+
+It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
+about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
+source, PyTorch's version and the CPU's model and flags (a binary built for one CPU is never loaded on another).
+After a build its products are checked against a float64 reference; where the compiler, ninja or the check fails,
+:func:`compiled_kernel` returns ``None`` with the reason and the int4 path keeps PyTorch's kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hierspec.paths import user_cache_dir
+from hierspec.storage import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("int4_kernel.cpp")
+#: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
+#: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+#: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
+GROUP = 32
+#: ``RuntimeConfig.int4_kernel`` values
+KERNEL_CHOICES = ("auto", "compiled", "torch")
+#: row counts the automatic choice times both kernels at: one token, and a small tree
+CHOICE_ROWS = (1, 4)
+#: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
+CHOICE_SHAPE = (3072, 576)
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """A weight's passes in the compiled kernel's layout.
+
+    Attributes:
+        codes: uint8 ``[passes, out, in / 2]``; group ``g``'s 16 bytes hold element ``32g + j`` in the low nibble
+            and ``32g + j + 16`` in the high one.
+        scales: float32 ``[passes, out, in / 32]``.
+        bias: float32 ``[out, in / 32]``, the passes' offsets summed (a pass's element is ``code * scale`` plus
+            its group's share of the bias).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+def pack_passes(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
+                ) -> PackedInt4:
+    """The compiled layout of passes ``w = (code - 8) * scale + zero`` (codes uint8 ``[out, in]`` 0..15, scales
+    and zeros float32 ``[out, in / 32]``): each pass's offset ``zero - 8 scale`` goes into the one bias.
+
+    Example: one pass of codes ``0..31`` (one group) with scale 1 and zero 8 packs to bytes ``0x10, 0x11, …``
+    (element 0 and 16, 1 and 17, …) and bias 0.
+    """
+    packed = []
+    for pass_codes in codes:
+        rows, cols = pass_codes.shape
+        halves = pass_codes.reshape(rows, cols // GROUP, 2, GROUP // 2)
+        packed.append((halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(rows, cols // 2))
+    bias = sum(zero - 8 * scale for zero, scale in zip(zeros, scales))
+    return PackedInt4(torch.stack(packed).contiguous(), torch.stack(list(scales)).float().contiguous(),
+                      bias.float().contiguous())
+
+
+def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
+    """``rows`` (float32 ``[m, in]``) times the packed weight, float32 ``[m, out]``."""
+    return kernel.int4_mm(rows, weight.codes, weight.scales, weight.bias)
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_kernel() -> tuple[object | None, str | None]:
+    """``(module, None)`` with the compiled kernel for this CPU, or ``(None, reason)`` where it cannot be built or
+    computes wrong products."""
+    try:
+        module = _build(_build_dir())
+    except Exception as exc:  # noqa: BLE001 - a compiler, ninja or loader failure of any kind means: not here
+        return None, f"the compiled int4 kernel could not be built ({type(exc).__name__}: {_first_line(exc)})"
+    problem = _check(module)
+    return (None, problem) if problem else (module, None)
+
+
+def _build(directory: Path):
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not any(directory.glob("*.so")):
+        log.warning("compiling hierspec's int4 kernel for this CPU (once, about half a minute) into %s", directory)
+    return load(name=f"hierspec_int4_{directory.name.split('-')[-1]}", sources=[str(SOURCE)],
+                build_directory=str(directory), extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _build_dir() -> Path:
+    source = SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, _cpu_identity())}"
+
+
+def build_key(source: bytes, torch_version: str, cpu: str) -> str:
+    """A short hash of everything the binary depends on: its source (and flags), PyTorch's headers and the CPU it
+    targets."""
+    digest = hashlib.sha256(source + b"\0" + torch_version.encode() + b"\0" + cpu.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model name and its whole flag list (``-march=native`` uses every flag), from ``/proc/cpuinfo``."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        import platform
+
+        return f"{platform.machine()} {platform.processor()}"
+    lines = [line for line in text.splitlines() if line.split(":")[0].strip() in ("model name", "flags")]
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _check(module) -> str | None:
+    """Why the kernel's products are wrong (against float64 on a small random weight, 1 and 5 rows), or ``None``."""
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = 24, 96
+    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+             for _ in range(2)]
+    scales = [torch.rand(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    zeros = [torch.randn(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    rows = torch.randn(5, in_features, generator=generator)
+    weight = sum((c.double() - 8) * s.double().repeat_interleave(GROUP, 1) + z.double().repeat_interleave(GROUP, 1)
+                 for c, s, z in zip(codes, scales, zeros))
+    expected = rows.double() @ weight.t()
+    packed = pack_passes(codes, scales, zeros)
+    try:
+        got = int4_mm(module, rows, packed)
+        alone = int4_mm(module, rows[2:3].contiguous(), packed)
+    except RuntimeError as exc:
+        return f"the compiled int4 kernel fails ({_first_line(exc)})"
+    if not torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4):
+        return "the compiled int4 kernel computes wrong products"
+    if not torch.equal(alone[0], got[2]):
+        return "the compiled int4 kernel's rows depend on the rows beside them"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:160]
+
+
+def choose_kernel(timings: Mapping[str, Sequence[float]]) -> str:
+    """The kernel with the smallest total time over :data:`CHOICE_ROWS` (``timings``: kernel -> seconds per row
+    count); PyTorch's on a tie, as the one that needs no compiler.
+
+    Example: ``choose_kernel({"torch": [1.0, 2.0], "compiled": [0.5, 2.4]})`` is ``"compiled"``.
+    """
+    return min(sorted(timings, key=lambda name: name != "torch"), key=lambda name: sum(timings[name]))
+
+
+def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], in_features: int,
+                 repeats: int = 20) -> dict[str, list[float]]:
+    """Median seconds of each product at each of :data:`CHOICE_ROWS`, the kernels interleaved."""
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in CHOICE_ROWS] for name in products}
+    inputs = [torch.randn(rows, in_features) for rows in CHOICE_ROWS]
+    for _ in range(repeats):
+        for name, product in products.items():
+            for i, rows in enumerate(inputs):
+                start = time.perf_counter()
+                product(rows)
+                samples[name][i].append(time.perf_counter() - start)
+    return {name: [sorted(s)[len(s) // 2] for s in per_rows] for name, per_rows in samples.items()}
+
+
+def choice_path(threads: int) -> Path:
+    """Where the automatic choice for ``threads`` threads is kept: beside this CPU's compiled kernel."""
+    return _build_dir() / f"choice-t{threads}.json"
+
+
+def read_choice(path: Path) -> str | None:
+    """The kernel a choice file names, or ``None`` when there is none or it cannot be read (it is then timed
+    again)."""
+    try:
+        chosen = json.loads(path.read_text(encoding="utf-8")).get("kernel")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return chosen if chosen in ("compiled", "torch") else None
+
+
+def write_choice(path: Path, chosen: str, timings: Mapping[str, Sequence[float]]) -> None:
+    """Keep the automatic choice (with the timings behind it); a disk that refuses the write only costs a timing
+    at the next load."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"kernel": chosen, "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE),
+                                 "seconds": {name: list(times) for name, times in timings.items()}})
+    except OSError as exc:
+        log.warning("the int4 kernel choice cannot be kept in %s (%s); it is timed again at the next load", path, exc)

@@ -1,0 +1,157 @@
+"""hierspec's compiled int4 product (:mod:`hierspec.runtime.int4_kernel`): its layout, its products against float64,
+row invariance, the per-CPU build key, the choice between it and PyTorch's kernel, and the fallbacks."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny import make_model, make_tokenizer
+
+from hierspec import runtime
+from hierspec.errors import InputError
+from hierspec.runtime import RuntimeConfig
+from hierspec.runtime import int4_kernel as k
+from hierspec.runtime import quantized as q
+from hierspec.target import TargetModel
+
+MODULE, REASON = k.compiled_kernel()
+needs_kernel = pytest.mark.skipif(MODULE is None, reason=str(REASON))
+
+
+def _random_weight(out_features, in_features, passes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+             for _ in range(passes)]
+    scales = [torch.rand(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
+    zeros = [torch.randn(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
+    dense = sum((c.double() - 8) * s.double().repeat_interleave(32, 1) + z.double().repeat_interleave(32, 1)
+                for c, s, z in zip(codes, scales, zeros))
+    return k.pack_passes(codes, scales, zeros), dense
+
+
+def test_packing_puts_element_j_and_j_plus_16_in_one_byte_and_folds_the_offsets_into_one_bias():
+    codes = torch.arange(32, dtype=torch.uint8).remainder(16).reshape(1, 32)
+    packed = k.pack_passes([codes], [torch.tensor([[2.0]])], [torch.tensor([[16.5]])])
+    # element j (low nibble) and j + 16 (high): codes j % 16 both, so byte j is 0x11 * j
+    assert packed.codes.tolist() == [[[0x11 * j for j in range(16)]]]
+    assert packed.scales.tolist() == [[[2.0]]]
+    assert packed.bias.tolist() == [[0.5]]  # zero - 8 * scale
+    two = k.pack_passes([codes, codes], [torch.tensor([[1.0]]), torch.tensor([[3.0]])],
+                        [torch.tensor([[1.0]]), torch.tensor([[2.0]])])
+    assert two.codes.shape == (2, 1, 16) and two.bias.tolist() == [[(1.0 - 8) + (2.0 - 24)]]
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out_features", "in_features", "passes"),
+                         [(24, 96, 1), (67, 64, 2), (960, 576, 1), (130, 1536, 4)])
+def test_products_equal_float64_up_to_float32_rounding(out_features, in_features, passes):
+    weight, dense = _random_weight(out_features, in_features, passes)
+    rows = torch.randn(9, in_features, generator=torch.Generator().manual_seed(1))
+    got = k.int4_mm(MODULE, rows, weight).double()
+    expected = rows.double() @ dense.t()
+    assert got.shape == (9, out_features)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_a_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_it(data):
+    weight, _ = _random_weight(52, 128, 2, seed=3)
+    rows = torch.randn(17, 128, generator=torch.Generator().manual_seed(4))
+    whole = k.int4_mm(MODULE, rows, weight)
+    start = data.draw(st.integers(0, 16))
+    stop = data.draw(st.integers(start + 1, 17))
+    picked = data.draw(st.lists(st.integers(0, 16), min_size=1, max_size=9))
+    assert torch.equal(k.int4_mm(MODULE, rows[start:stop].contiguous(), weight), whole[start:stop])
+    assert torch.equal(k.int4_mm(MODULE, rows[picked].contiguous(), weight), whole[picked])
+
+
+@needs_kernel
+def test_the_kernel_refuses_inputs_of_the_wrong_shape_or_dtype():
+    weight, _ = _random_weight(16, 64, 1)
+    with pytest.raises(RuntimeError, match="x: contiguous float32"):
+        k.int4_mm(MODULE, torch.randn(2, 64, dtype=torch.float64), weight)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        k.int4_mm(MODULE, torch.randn(2, 32), weight)
+
+
+def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
+    base = k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2")
+    assert base == k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2")
+    assert len({base, k.build_key(b"source!", "2.13.0", "model name: A\nflags: avx2"),
+                k.build_key(b"source", "2.14.0", "model name: A\nflags: avx2"),
+                k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2 avx512f")}) == 4
+
+
+@pytest.mark.parametrize(("timings", "expected"), [
+    ({"torch": [1.0, 2.0], "compiled": [0.5, 2.4]}, "compiled"),  # 2.9 < 3.0
+    ({"torch": [1.0, 2.0], "compiled": [0.5, 2.6]}, "torch"),  # 3.1 > 3.0: never the slower one
+    ({"torch": [1.0, 2.0], "compiled": [2.0, 1.0]}, "torch"),  # a tie keeps the kernel that needs no compiler
+    ({"compiled": [1.0, 1.0], "torch": [1.0, 1.5]}, "compiled"),
+])
+def test_the_automatic_choice_takes_the_faster_kernel_on_hand_made_timings(timings, expected):
+    assert k.choose_kernel(timings) == expected
+
+
+def test_a_kernel_that_cannot_be_built_is_reported_and_the_int4_path_keeps_pytorchs(monkeypatch):
+    def fail(directory):
+        raise OSError("no C++ compiler here")
+
+    k.compiled_kernel.cache_clear()
+    monkeypatch.setattr(k, "_build", fail)
+    try:
+        module, reason = k.compiled_kernel()
+        assert module is None and "could not be built (OSError: no C++ compiler here)" in reason
+        if q.kernel_reason() is None:
+            assert q.resolve_kernel("auto") == ("torch", None)
+        assert q.resolve_kernel("compiled") == (None, reason)
+    finally:
+        k.compiled_kernel.cache_clear()
+
+
+def test_a_kernel_that_computes_wrong_products_is_not_used():
+    class Wrong:
+        @staticmethod
+        def int4_mm(rows, codes, scales, bias):
+            return torch.zeros(rows.shape[0], codes.shape[1])
+
+    assert k._check(Wrong()) == "the compiled int4 kernel computes wrong products"
+
+
+def test_asking_for_an_int4_kernel_that_cannot_run_is_a_clear_error(tmp_path, monkeypatch):
+    from test_quantized import write_tiny_gguf
+
+    model = make_model("llama", vocab_size=64, seed=7, dtype=torch.float32, layers=2, hidden=64)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", model)
+    monkeypatch.setattr(runtime, "resolve_kernel", lambda choice: (None, "the compiled int4 kernel could not be built (x)"))
+    with pytest.raises(InputError, match="int4 runtime is unavailable: the compiled int4 kernel could not be built"):
+        TargetModel(model, make_tokenizer(64), "tiny", RuntimeConfig(kind="int4", gguf=str(path),
+                                                                     int4_kernel="compiled"))
+    with pytest.raises(InputError, match="unknown int4 kernel"):
+        RuntimeConfig(int4_kernel="fast")
+
+
+def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(tmp_path, monkeypatch):
+    path = tmp_path / "choice-t2.json"
+    k.write_choice(path, "compiled", {"torch": [1.0, 2.0], "compiled": [0.5, 1.0]})
+    assert k.read_choice(path) == "compiled"
+    for damaged in ("{not json", '{"kernel": "fastest"}', "[]"):
+        path.write_text(damaged)
+        assert k.read_choice(path) is None
+    monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
+    k.write_choice(tmp_path / "choice-t3.json", "torch", {})
+    monkeypatch.setattr(k, "time_kernels", lambda *args, **kwargs: pytest.fail("timed although a choice was kept"))
+    q._timed_choice.cache_clear()
+    try:
+        assert q._timed_choice(3) == "torch"
+    finally:
+        q._timed_choice.cache_clear()
+
+
+def test_a_choice_that_cannot_be_kept_is_logged_and_leaves_no_file(tmp_path, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    k.write_choice(blocker / "choice-t2.json", "torch", {})
+    assert "is timed again at the next load" in caplog.text
+    assert list(tmp_path.iterdir()) == [blocker]
