@@ -366,3 +366,31 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
     for name in first:
         for a, b in zip(first[name], fourth[name]):
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_compiled_layer_halves_equal_the_decoders_own_operations_bit_for_bit(tmp_path, kernel, arch):
+    """With the compiled extension each int4 layer half around attention is one call; its results are those of the
+    decoder's own operations (Qwen2: q/k/v biases, a four-pass Q6_K value stack beside one-pass Q4_K ones)."""
+    model, path = _tiny_k_quant(tmp_path) if arch == "qwen2" else _tiny(tmp_path)
+    decoder = _int4_target(model, path, kernel).runtime.decoder
+    if decoder._fused is None:
+        pytest.skip("the compiled extension cannot be built here")
+    width = decoder.embedding.shape[1]
+    generator = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for rows in (1, 3, 7):
+            hidden = torch.randn(rows, width, generator=generator)
+            attended = torch.randn(rows, decoder.heads * decoder.head_dim, generator=generator)
+            cos, sin = decoder._rotation(torch.arange(20, 20 + rows))
+            for layer in decoder.layers:
+                fused = decoder._fused.attention_inputs(layer, hidden, cos, sin)
+                own = decoder._attention_inputs(layer, decoder._norm(hidden, layer.norm1, decoder.eps), cos, sin, rows)
+                for a, b in zip(fused, own):
+                    assert a.shape == b.shape and torch.equal(a, b)
+                fused_mlp = decoder._fused.mlp(layer, hidden, attended)
+                halves, decoder._fused = decoder._fused, None
+                try:
+                    assert torch.equal(fused_mlp, decoder._mlp(layer, hidden, attended))
+                finally:
+                    decoder._fused = halves

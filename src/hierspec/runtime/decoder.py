@@ -137,10 +137,12 @@ class LlamaFamilyDecoder:
         self._rotary = inner.rotary_emb
         self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
         self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
-        # the int4 path's model is its own arithmetic (file codes, bfloat16 roundings): there the norms run as one
-        # compiled call each; float paths keep PyTorch's operations, equal to transformers'
+        # the int4 path's model is its own arithmetic (file codes, its kernel's roundings): there the norms run as
+        # one compiled call each, and with the compiled extension each layer half around attention is one call
+        # (Int4Layers); float paths keep PyTorch's operations, equal to transformers'
         compiled = quantized is not None and self.embedding.dtype == torch.float32
-        self._norm = compiled_rms_norm if compiled else _rms_norm
+        self._fused = Int4Layers.for_decoder(self) if compiled else None
+        self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True
@@ -195,7 +197,10 @@ class LlamaFamilyDecoder:
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None,
                plans: Sequence[ExactPlan] | None = None) -> torch.Tensor:
-        query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
+        if self._fused is not None:
+            query, key, value = self._fused.attention_inputs(layer, hidden, cos, sin)
+        else:
+            query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
         if slots is not None:
             return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
         parts = []
@@ -214,6 +219,8 @@ class LlamaFamilyDecoder:
 
     def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The attention's output projection and residual, then the MLP block and its residual."""
+        if self._fused is not None:
+            return self._fused.mlp(layer, hidden, attended)
         (out,) = layer.out(attended)
         hidden = hidden + out
         gate, up = layer.gate_up(self._norm(hidden, layer.norm2, self.eps))
@@ -255,6 +262,47 @@ class LlamaFamilyDecoder:
         cos, sin = self._rotary(probe, torch.arange(size, device=probe.device)[None])
         half = self.head_dim // 2
         self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+
+
+class Int4Layers:
+    """An int4 decoder's two layer halves around attention as one compiled call each
+    (:mod:`~hierspec.runtime.int4_kernel`'s ``attention_inputs`` and ``mlp_block``): the same operations as
+    :meth:`LlamaFamilyDecoder._attention_inputs` and :meth:`LlamaFamilyDecoder._mlp`, bit for bit, without a
+    Python round trip per operation (a SmolLM2 one-token step on an Intel Xeon: BENCHMARKS.md, "Compiled layer
+    halves"). Built only where the compiled extension loads; its :attr:`norm` is then the int4 decoder's norm on
+    every path."""
+
+    def __init__(self, module, decoder: LlamaFamilyDecoder) -> None:
+        self._module = module
+        self._decoder = decoder
+        self._compiled = decoder.layers[0].qkv.kernel == "compiled"
+
+    @classmethod
+    def for_decoder(cls, decoder: LlamaFamilyDecoder) -> Int4Layers | None:
+        """The fused halves for ``decoder`` (whose projections are all :class:`Int4Projection`), or ``None`` where the
+        compiled extension cannot be built here."""
+        from hierspec.runtime import int4_kernel
+
+        module, reason = int4_kernel.compiled_kernel()
+        if module is None or any(p.bias is not None for layer in decoder.layers
+                                 for p in (layer.out, layer.gate_up, layer.down)):
+            log.info("int4 layers run operation by operation: %s", reason or "biased output or MLP projections")
+            return None
+        return cls(module, decoder)
+
+    def norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The RMS norm of each row (the compiled one, the int4 path's on every call)."""
+        return self._module.rms_norm(hidden, weight, eps)
+
+    def attention_inputs(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self._decoder
+        return tuple(self._module.attention_inputs(hidden, layer.norm1, d.eps, layer.qkv.native, layer.qkv.bias, cos,
+                                                   sin, d.heads, d.kv_heads, d.head_dim, self._compiled))
+
+    def mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        return self._module.mlp_block(hidden, attended, layer.norm2, self._decoder.eps, layer.out.native,
+                                      layer.gate_up.native, layer.down.native, layer.gate_up.widths[0], self._compiled)
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

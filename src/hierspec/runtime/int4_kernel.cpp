@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -172,4 +173,21 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows"); }
+// int4_blocks.cpp
+torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps);
+std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
+                                            const std::vector<std::vector<torch::Tensor>>& qkv,
+                                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
+                                            const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
+                                            int64_t dim, bool compiled);
+torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
+                        double eps, const std::vector<std::vector<torch::Tensor>>& out,
+                        const std::vector<std::vector<torch::Tensor>>& gate_up,
+                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate, bool compiled);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
+  m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
+  m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
+  m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
+}

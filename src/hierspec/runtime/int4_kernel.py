@@ -1,11 +1,13 @@
-"""hierspec's own int4 product (``int4_kernel.cpp``), compiled once per CPU, and the choice between it and PyTorch's.
+"""hierspec's own int4 product (``int4_kernel.cpp``) and the int4 decoder's layer halves around attention
+(``int4_blocks.cpp``), compiled once per CPU; the choice between that product and PyTorch's.
 
 PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams a GGUF file's 4-bit weights at
 about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
 kernel"). The compiled kernel multiplies float32 rows by the file's codes with float32 scales and offsets, decoding
 each group of 32 codes once for up to four rows, threaded by PyTorch's own pool (``at::parallel_for``: no second
 set of threads competing for the two cores). Its results are batch-invariant by construction (see the source's
-header), so a tree row's products equal the chain's.
+header), so a tree row's products equal the chain's. The layer halves (``rms_norm``, ``attention_inputs``,
+``mlp_block``) run a layer's small operations from C++, with either kernel's products (:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
 about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
@@ -32,7 +34,8 @@ from hierspec.storage import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int4_kernel.cpp")
+#: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
+SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
@@ -104,12 +107,12 @@ def _build(directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
         log.warning("compiling hierspec's int4 kernel for this CPU (once, about half a minute) into %s", directory)
-    return load(name=f"hierspec_int4_{directory.name.split('-')[-1]}", sources=[str(SOURCE)],
+    return load(name=f"hierspec_int4_{directory.name.split('-')[-1]}", sources=[str(path) for path in SOURCES],
                 build_directory=str(directory), extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _build_dir() -> Path:
-    source = SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    source = b"".join(path.read_bytes() for path in SOURCES) + " ".join(CFLAGS).encode()
     return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, _cpu_identity())}"
 
 

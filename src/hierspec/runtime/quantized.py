@@ -216,6 +216,10 @@ class Int4Projection:
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
         self._product = _compiled_product if kernel == "compiled" else _stack_product
         self._dtype = torch.float32 if kernel == "compiled" else KERNEL_DTYPE
+        #: the stacks as the compiled layer halves take them (int4_blocks.cpp): per stack, the compiled kernel's
+        #: ``[codes, scales, bias]`` or PyTorch's ``[packed, table]`` of each pass in turn
+        self.native = [[stack.codes, stack.scales, stack.bias] if kernel == "compiled"
+                       else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         inputs = rows.to(self._dtype).contiguous()
