@@ -13,17 +13,17 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_vectors.h"
+
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                       const torch::Tensor& bias);
 
 namespace {
 
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
+using hierspec_int4::kLanes;
+using hierspec_int4::lane_sum;
+using hierspec_int4::load;
+using hierspec_int4::vf;
 
 // One stack of a projection: compiled kernel {codes, scales, bias}; PyTorch's kernel {packed, table} per pass.
 torch::Tensor stack_product(const torch::Tensor& rows, const std::vector<torch::Tensor>& stack, bool compiled) {
@@ -62,13 +62,8 @@ torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight,
     const float* xr = x + r * width;
     vf part{};
     int64_t i = 0;
-    for (; i + kLanes <= width; i += kLanes) {
-      vf v;
-      std::memcpy(&v, xr + i, sizeof v);
-      part = v * v + part;
-    }
-    float total = 0.f;
-    for (int l = 0; l < kLanes; ++l) total += part[l];
+    for (; i + kLanes <= width; i += kLanes) part = load(xr + i) * load(xr + i) + part;
+    float total = lane_sum(part);
     for (; i < width; ++i) total = xr[i] * xr[i] + total;
     const float scale = 1.f / std::sqrt(total / static_cast<float>(width) + static_cast<float>(eps));
     for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xr[j] * scale);

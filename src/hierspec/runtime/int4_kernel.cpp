@@ -19,32 +19,19 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_vectors.h"
+
 namespace {
 
-// the CPU's vector width: 16 float lanes with AVX-512, else 8 (gcc lowers wider vector types badly without it)
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+using hierspec_int4::kLanes;
+using hierspec_int4::lane_sum;
+using hierspec_int4::load;
+using hierspec_int4::vf;
+using hierspec_int4::vi;
 
 constexpr int64_t kGroup = 32;
 constexpr int kChunks = 16 / kLanes;  // vectors per half group
 constexpr int64_t kGrain = 64;        // outputs per parallel task at least
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float lane_sum(vf v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // bytes widened to int32 lanes first (vpmovzxbd: gcc scalarises the generic conversion in some contexts): masks,
 // shifts and the float conversion then run on 32-bit lanes, native on AVX2 and AVX-512 alike

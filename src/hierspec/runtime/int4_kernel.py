@@ -7,7 +7,8 @@ kernel"). The compiled kernel multiplies float32 rows by the file's codes with f
 each group of 32 codes once for up to four rows, threaded by PyTorch's own pool (``at::parallel_for``: no second
 set of threads competing for the two cores). Its results are batch-invariant by construction (see the source's
 header), so a tree row's products equal the chain's. The layer halves (``rms_norm``, ``attention_inputs``,
-``mlp_block``) run a layer's small operations from C++, with either kernel's products (:mod:`~hierspec.runtime.decoder`).
+``mlp_block``) run a layer's small operations from C++, with either kernel's products
+(:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
 about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"))
+#: included by both sources: part of what a build depends on
+HEADERS = (Path(__file__).with_name("int4_vectors.h"),)
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
@@ -112,7 +115,7 @@ def _build(directory: Path):
 
 
 def _build_dir() -> Path:
-    source = b"".join(path.read_bytes() for path in SOURCES) + " ".join(CFLAGS).encode()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
     return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, _cpu_identity())}"
 
 
