@@ -13,6 +13,7 @@ from hierspec.runtime import RuntimeConfig
 from hierspec.runtime import int4_kernel as k
 from hierspec.runtime import quantized as q
 from hierspec.target import TargetModel
+from hierspec.tree import build_tree
 
 MODULE, REASON = k.compiled_kernel()
 needs_kernel = pytest.mark.skipif(MODULE is None, reason=str(REASON))
@@ -68,6 +69,20 @@ def test_a_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_it(da
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_the_eight_bit_product_equals_float64_and_is_row_invariant(rows):
+    generator = torch.Generator().manual_seed(6)
+    codes = torch.randint(-128, 128, (70, 96), generator=generator, dtype=torch.int8)
+    scales = torch.rand(70, 6, generator=generator) * 0.01
+    x = torch.randn(rows, 96, generator=generator)
+    got = k.int4_mm(MODULE, x, k.PackedInt8(codes, scales))
+    expected = x.double() @ (codes.double() * scales.double().repeat_interleave(16, 1)).t()
+    assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    for row in range(rows):
+        assert torch.equal(k.int4_mm(MODULE, x[row : row + 1].contiguous(), k.PackedInt8(codes, scales))[0], got[row])
+
+
+@needs_kernel
 def test_the_kernel_refuses_inputs_of_the_wrong_shape_or_dtype():
     weight, _ = _random_weight(16, 64, 1)
     with pytest.raises(RuntimeError, match="x: contiguous float32"):
@@ -94,20 +109,28 @@ def test_the_automatic_choice_takes_the_faster_kernel_on_hand_made_timings(timin
     assert k.choose_kernel(timings) == expected
 
 
-def test_a_kernel_that_cannot_be_built_is_reported_and_the_int4_path_keeps_pytorchs(monkeypatch):
+def test_a_kernel_that_cannot_be_built_is_reported_and_the_int4_path_keeps_pytorchs(tmp_path, monkeypatch):
+    from test_quantized import write_tiny_gguf
+
     def fail(directory):
         raise OSError("no C++ compiler here")
 
-    k.compiled_kernel.cache_clear()
     monkeypatch.setattr(k, "_build", fail)
-    try:
-        module, reason = k.compiled_kernel()
-        assert module is None and "could not be built (OSError: no C++ compiler here)" in reason
-        if q.kernel_reason() is None:
-            assert q.resolve_kernel("auto") == ("torch", None)
-        assert q.resolve_kernel("compiled") == (None, reason)
-    finally:
-        k.compiled_kernel.cache_clear()
+    module, reason = k.compiled_kernel.__wrapped__()  # the cached result stays this CPU's real kernel
+    assert module is None and "could not be built (OSError: no C++ compiler here)" in reason
+    monkeypatch.setattr(k, "compiled_kernel", lambda: (None, reason))
+    assert q.resolve_kernel("compiled") == (None, reason)
+    if q.kernel_reason() is not None:
+        return
+    assert q.resolve_kernel("auto") == (q.Int4Kernels("torch", "torch"), None)
+    model = make_model("llama", vocab_size=64, seed=7, dtype=torch.float32, layers=2, hidden=64)
+    target = TargetModel(model, make_tokenizer(64), "tiny", RuntimeConfig(gguf=str(write_tiny_gguf(
+        tmp_path / "tiny.gguf", model))))
+    assert target.runtime.describe()["int4_kernel"] == "torch"
+    assert target.runtime.decoder._fused is None  # operation by operation, as before the extension
+    cache = target.new_cache()
+    target.prefill(cache, [3, 14, 15, 9])
+    assert target.forward_tree(cache, build_tree(26, [[5, 35]])).logits.shape == (3, 64)
 
 
 def test_a_kernel_that_computes_wrong_products_is_not_used():
@@ -134,17 +157,17 @@ def test_asking_for_an_int4_kernel_that_cannot_run_is_a_clear_error(tmp_path, mo
 
 def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(tmp_path, monkeypatch):
     path = tmp_path / "choice-t2.json"
-    k.write_choice(path, "compiled", {"torch": [1.0, 2.0], "compiled": [0.5, 1.0]})
-    assert k.read_choice(path) == "compiled"
-    for damaged in ("{not json", '{"kernel": "fastest"}', "[]"):
+    k.write_choice(path, "torch", "compiled", {"four_bit": {"torch": [1.0, 2.0], "compiled": [1.5, 3.0]}})
+    assert k.read_choice(path) == ("torch", "compiled")
+    for damaged in ("{not json", '{"four_bit": "fastest", "eight_bit": "torch"}', '{"kernel": "torch"}', "[]"):
         path.write_text(damaged)
         assert k.read_choice(path) is None
     monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
-    k.write_choice(tmp_path / "choice-t3.json", "torch", {})
+    k.write_choice(tmp_path / "choice-t3.json", "compiled", "torch", {})
     monkeypatch.setattr(k, "time_kernels", lambda *args, **kwargs: pytest.fail("timed although a choice was kept"))
     q._timed_choice.cache_clear()
     try:
-        assert q._timed_choice(3) == "torch"
+        assert q._timed_choice(3) == q.Int4Kernels("compiled", "torch")
     finally:
         q._timed_choice.cache_clear()
 
@@ -152,6 +175,6 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
 def test_a_choice_that_cannot_be_kept_is_logged_and_leaves_no_file(tmp_path, caplog):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    k.write_choice(blocker / "choice-t2.json", "torch", {})
+    k.write_choice(blocker / "choice-t2.json", "torch", "torch", {})
     assert "is timed again at the next load" in caplog.text
     assert list(tmp_path.iterdir()) == [blocker]

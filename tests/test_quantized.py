@@ -65,6 +65,23 @@ def test_k_quant_blocks_decode_to_gguf_dequantization_bit_for_bit(kind):
     assert torch.equal(sum(p.dequantize() for p in passes), torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+def test_eight_bit_weights_rebuild_exactly_from_their_passes(kind):
+    """The compiled kernel's 8-bit form (signed codes, a scale per 16 inputs) is the file's weight bit for bit."""
+    rng = np.random.default_rng(4)
+    if kind == "Q6_K":
+        raw = random_k_blocks(kind, 48, 512, rng)
+    else:
+        raw = quantize((rng.standard_normal((48, 512)) * 0.3).astype(np.float32), GGMLQuantizationType[kind])
+    codes, scales = q.as_int8(q.decode_blocks(kind, raw, 48, 512))
+    assert codes.dtype == torch.int8 and codes.shape == (48, 512) and scales.shape == (48, 32)
+    assert int(codes.min()) >= (-32 if kind == "Q6_K" else -128) and int(codes.max()) <= (31 if kind == "Q6_K" else 127)
+    weight = codes.float() * scales.repeat_interleave(16, dim=1)
+    assert torch.equal(weight, torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
+    assert q.as_int8(q.decode_blocks("Q4_1", quantize(np.ones((16, 32), np.float32), GGMLQuantizationType.Q4_1),
+                                      16, 32)) is None
+
+
 def test_a_q6_k_pass_decodes_the_other_half_of_each_group_to_exact_zeros_in_the_kernel():
     """The kernel sees bfloat16 scales: a pass's foreign half must still cancel to 0, not to a rounding residue."""
     raw = random_k_blocks("Q6_K", 16, 256, np.random.default_rng(2))
@@ -184,23 +201,31 @@ def prefill(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["compiled", "torch"])
-def kernel(request):
-    """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's)."""
-    name, reason = q.resolve_kernel(request.param)
-    if name is None:
+@pytest.fixture(params=["compiled", "torch", "mixed"])
+def kernel(request, monkeypatch):
+    """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's), and the two mixed as ``auto``
+    chooses on CPUs with native bfloat16: 4-bit weights by PyTorch's kernel, 8-bit ones by the compiled product."""
+    if request.param == "mixed":
+        for name in ("torch", "compiled"):
+            if q.resolve_kernel(name)[0] is None:
+                pytest.skip(q.resolve_kernel(name)[1])
+        monkeypatch.setattr(q, "_timed_choice", lambda threads: q.Int4Kernels("torch", "compiled"))
+        return "auto"
+    kernels, reason = q.resolve_kernel(request.param)
+    if kernels is None:
         pytest.skip(reason)
-    return name
+    return request.param
 
 
 def _int4_target(model, path, int4_kernel="auto", **config):
-    name, reason = q.resolve_kernel(int4_kernel)
-    if name is None:
+    kernels, reason = q.resolve_kernel(int4_kernel)
+    if kernels is None:
         pytest.skip(reason)
     target = TargetModel(model, make_tokenizer(VOCAB), "tiny-int4",
                          RuntimeConfig(gguf=str(path), int4_kernel=int4_kernel, **config))
     assert target.runtime.kind == "int4" and target.runtime.describe()["weights"] == "gguf-int4"
-    assert target.runtime.describe()["int4_kernel"] == name
+    assert target.runtime.describe()["int4_kernel"] == kernels.four_bit
+    assert target.runtime.describe()["int8_kernel"] == kernels.eight_bit
     return target
 
 

@@ -120,15 +120,22 @@ def machine_identity(target: TargetModel) -> dict:
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
-            "int4_kernel": getattr(target.runtime, "int4_kernel", None) if target.runtime.kind == "int4" else None}
+            **_int4_kernels(target)}
+
+
+def _int4_kernels(target: TargetModel) -> dict:
+    """The int4 path's kernels for 4-bit and 8-bit weights (both ``None`` off that path)."""
+    kernels = getattr(target.runtime, "int4_kernel", None) if target.runtime.kind == "int4" else None
+    return {"int4_kernel": kernels and kernels.four_bit, "int8_kernel": kernels and kernels.eight_bit}
 
 
 def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
     """Where the cost curve of this model on this machine setting lives."""
     ident = machine_identity(target)
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
-    # the compiled int4 kernel's curves are its own; PyTorch's kernel keeps the name its curves always had
-    kernel = "|compiled" if ident.get("int4_kernel") == "compiled" else ""
+    # curves with a compiled int4 kernel are their own; PyTorch's kernel keeps the name its curves always had
+    kernel = ("|compiled" if ident.get("int4_kernel") == "compiled" else "") + (
+        "|int8-compiled" if ident.get("int8_kernel") == "compiled" else "")
     setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}"
     setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
     name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"

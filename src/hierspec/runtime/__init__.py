@@ -37,7 +37,7 @@ from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCach
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
-from hierspec.runtime.quantized import Int4Weight, load_gguf_weights, resolve_kernel
+from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class Runtime:
         self.decoder: LlamaFamilyDecoder | None = None
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.packing = None
-        self.int4_kernel: str | None = None
+        self.int4_kernel: Int4Kernels | None = None
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
@@ -207,7 +207,8 @@ class Runtime:
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
                 "attention": "exact" if self.exact else "sdpa",
-                "int4_kernel": self.int4_kernel if self.kind == "int4" else None,
+                "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
+                "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:

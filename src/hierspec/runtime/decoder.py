@@ -28,7 +28,7 @@ from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
 from hierspec.runtime.onednn import pack_weight, packed_linear
-from hierspec.runtime.quantized import Int4Projection, Int4Weight
+from hierspec.runtime.quantized import Int4Kernels, Int4Projection, Int4Weight
 from hierspec.runtime.slots import SlotBatch, finish_slot_batch, plan_slot_batch, slot_attention
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class LlamaFamilyDecoder:
 
     def __init__(self, model: nn.Module, packed: bool,
                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
-                 product_dtype: torch.dtype | None = None, int4_kernel: str = "torch") -> None:
+                 product_dtype: torch.dtype | None = None, int4_kernel: Int4Kernels | None = None) -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -123,7 +123,9 @@ class LlamaFamilyDecoder:
         def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None)
-            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears], int4_kernel)
+            kernels = int4_kernel or Int4Kernels("torch", "torch")
+            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears],
+                                  kernels.four_bit, kernels.eight_bit)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
         self.lm_head = projection(model.get_output_embeddings(), copy=False)
@@ -275,7 +277,6 @@ class Int4Layers:
     def __init__(self, module, decoder: LlamaFamilyDecoder) -> None:
         self._module = module
         self._decoder = decoder
-        self._compiled = decoder.layers[0].qkv.kernel == "compiled"
 
     @classmethod
     def for_decoder(cls, decoder: LlamaFamilyDecoder) -> Int4Layers | None:
@@ -298,11 +299,11 @@ class Int4Layers:
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self._decoder
         return tuple(self._module.attention_inputs(hidden, layer.norm1, d.eps, layer.qkv.native, layer.qkv.bias, cos,
-                                                   sin, d.heads, d.kv_heads, d.head_dim, self._compiled))
+                                                   sin, d.heads, d.kv_heads, d.head_dim))
 
     def mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return self._module.mlp_block(hidden, attended, layer.norm2, self._decoder.eps, layer.out.native,
-                                      layer.gate_up.native, layer.down.native, layer.gate_up.widths[0], self._compiled)
+                                      layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -323,7 +324,8 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 def build_decoder(model: nn.Module, packed: bool,
                   quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
-                  product_dtype: torch.dtype | None = None, int4_kernel: str = "torch") -> LlamaFamilyDecoder | None:
+                  product_dtype: torch.dtype | None = None,
+                  int4_kernel: Int4Kernels | None = None) -> LlamaFamilyDecoder | None:
     """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
     ``product_dtype`` — see :class:`Projection`), or ``None`` (with the reason logged) where transformers' modules
     must run."""

@@ -17,6 +17,7 @@
 
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                       const torch::Tensor& bias);
+torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale);
 
 namespace {
 
@@ -25,21 +26,25 @@ using hierspec_int4::lane_sum;
 using hierspec_int4::load;
 using hierspec_int4::vf;
 
-// One stack of a projection: compiled kernel {codes, scales, bias}; PyTorch's kernel {packed, table} per pass.
-torch::Tensor stack_product(const torch::Tensor& rows, const std::vector<torch::Tensor>& stack, bool compiled) {
-  if (compiled) return int4_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
+// One stack of a projection, its kernel told by its codes: the compiled 8-bit product {int8 codes, scales}, the
+// compiled 4-bit one {uint8 codes [P, N, K / 2], scales, bias}, or PyTorch's kernel {packed [N, K / 2], table} per
+// pass.
+torch::Tensor stack_product(const torch::Tensor& rows, const std::vector<torch::Tensor>& stack) {
+  if (stack[0].scalar_type() == torch::kInt8) return int8_mm(rows.contiguous(), stack[0], stack[1]);
+  if (stack[0].dim() == 3) return int4_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
   const auto inputs = rows.to(torch::kBFloat16).contiguous();
   auto product = at::_weight_int4pack_mm_for_cpu(inputs, stack[0], 32, stack[1]).to(torch::kFloat32);
-  for (size_t i = 2; i < stack.size(); i += 2) product += at::_weight_int4pack_mm_for_cpu(inputs, stack[i], 32, stack[i + 1]);
+  for (size_t i = 2; i < stack.size(); i += 2)
+    product += at::_weight_int4pack_mm_for_cpu(inputs, stack[i], 32, stack[i + 1]);
   return product;
 }
 
 // A projection: its stacks side by side, plus the float32 bias where it has one (an undefined tensor otherwise).
 torch::Tensor project(const torch::Tensor& rows, const std::vector<std::vector<torch::Tensor>>& stacks,
-                      const c10::optional<torch::Tensor>& bias, bool compiled) {
-  auto product = stacks.size() == 1 ? stack_product(rows, stacks[0], compiled) : [&] {
+                      const c10::optional<torch::Tensor>& bias) {
+  auto product = stacks.size() == 1 ? stack_product(rows, stacks[0]) : [&] {
     std::vector<torch::Tensor> parts;
-    for (const auto& stack : stacks) parts.push_back(stack_product(rows, stack, compiled));
+    for (const auto& stack : stacks) parts.push_back(stack_product(rows, stack));
     return torch::cat(parts, -1);
   }();
   if (bias.has_value()) product = product + *bias;
@@ -77,23 +82,24 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const t
                                             const std::vector<std::vector<torch::Tensor>>& qkv,
                                             const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
                                             const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim, bool compiled) {
+                                            int64_t dim) {
   const int64_t rows = hidden.size(0);
-  const auto product = project(rms_norm(hidden, norm_weight, eps), qkv, bias, compiled);
+  const auto product = project(rms_norm(hidden, norm_weight, eps), qkv, bias);
   const auto states = product.view({1, rows, heads + 2 * kv_heads, dim}).transpose(1, 2);
   const auto rotating = states.narrow(1, 0, heads + kv_heads);
   const auto rotated = (rotating * cos) + (rotating.roll(dim / 2, -1) * signed_sin);
-  return {rotated.narrow(1, 0, heads), rotated.narrow(1, heads, kv_heads), states.narrow(1, heads + kv_heads, kv_heads)};
+  return {rotated.narrow(1, 0, heads), rotated.narrow(1, heads, kv_heads),
+          states.narrow(1, heads + kv_heads, kv_heads)};
 }
 
 // The attention's output projection and residual, then the MLP block and its residual (the decoder's _mlp).
 torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
                         double eps, const std::vector<std::vector<torch::Tensor>>& out,
                         const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate, bool compiled) {
+                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
   const c10::optional<torch::Tensor> none;
-  const auto residual = hidden + project(attended, out, none, compiled);
-  const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none, compiled);
+  const auto residual = hidden + project(attended, out, none);
+  const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
   const auto act = at::silu(both.narrow(1, 0, intermediate)) * both.narrow(1, intermediate, intermediate);
-  return residual + project(act, down, none, compiled);
+  return residual + project(act, down, none);
 }

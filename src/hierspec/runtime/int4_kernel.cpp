@@ -2,13 +2,15 @@
 //
 // A weight [N, K] is P passes of 4-bit codes in groups of 32 inputs; pass p's element is code * scale[p] and the
 // passes' offsets are folded into one bias per group, so that
-//     out[m, n] = sum_g sum_p scale[p, n, g] * (sum_j code[p, n, 32g + j] * x[m, 32g + j]) + sum_g bias[n, g] * xsum[m, g]
+//     out[m, n] = sum_g sum_p scale[p, n, g] * (sum_j code[p, n, 32g + j] * x[m, 32g + j])
+//               + sum_g bias[n, g] * xsum[m, g]
 // with xsum[m, g] the sum of row m's 32 inputs of group g. Group g's 16 code bytes hold element j in the low nibble
 // and element j + 16 in the high nibble (GGUF's Q4_0/Q4_1 order), so both halves decode with one AND or shift.
 //
-// Batch invariance: every (m, n) result is one fixed sequence of vector operations (16 lanes with AVX-512, else 8) (gcc vector extensions,
-// one per source expression), whatever the number of rows, how rows and outputs are tiled, or how the outputs are
-// split between threads. A row's products are therefore bit-identical alone, in a chain or anywhere in a tree.
+// Batch invariance: every (m, n) result is one fixed sequence of vector operations (gcc vector extensions, one per
+// source expression; 16 lanes with AVX-512, else 8), whatever the number of rows, how rows and outputs are tiled, or
+// how the outputs are split between threads. A row's products are therefore bit-identical alone, in a chain or
+// anywhere in a tree. Needs AVX2 at least: elsewhere the build fails and the int4 path keeps PyTorch's kernel.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -130,6 +132,71 @@ void rows_of_outputs(const Weight& w, const float* x, const float* xsum, float* 
   }
 }
 
+// 8-bit weights (Q8_0, Q6_K): signed codes with one scale per 16 inputs, out[m, n] = sum_g scale[n, g] *
+// sum_j code[n, 16g + j] * x[m, 16g + j]; the same tiling and the same invariance as the 4-bit product.
+constexpr int64_t kGroup8 = 16;
+
+inline vi widen_signed(const int8_t* bytes) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+#else
+  return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+#endif
+}
+
+struct Weight8 {
+  const int8_t* codes;  // [N, K]
+  const float* scale;   // [N, K / 16]
+  int64_t n, k;
+};
+
+template <int MT, int NB>
+void tile8(const Weight8& w, const float* x, float* out, int64_t n0) {
+  const int64_t groups = w.k / kGroup8;
+  vf acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = vf{};
+  for (int64_t g = 0; g < groups; ++g) {
+    vf code[NB][kChunks];
+    float s[NB];
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* bytes = w.codes + (n0 + j) * w.k + g * kGroup8;
+      for (int c = 0; c < kChunks; ++c) code[j][c] = to_float(widen_signed(bytes + c * kLanes));
+      s[j] = w.scale[(n0 + j) * groups + g];
+    }
+    for (int m = 0; m < MT; ++m) {
+      vf xs[kChunks];
+      for (int c = 0; c < kChunks; ++c) xs[c] = load(x + m * w.k + g * kGroup8 + c * kLanes);
+      for (int j = 0; j < NB; ++j) {
+        vf t = code[j][0] * xs[0];
+        for (int c = 1; c < kChunks; ++c) t = code[j][c] * xs[c] + t;
+        acc[m][j] = s[j] * t + acc[m][j];
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NB; ++j) out[m * w.n + n0 + j] = lane_sum(acc[m][j]);
+}
+
+template <int MT>
+void outputs8(const Weight8& w, const float* x, float* out, int64_t begin, int64_t end) {
+  constexpr int NB = kLanes == 16 ? (MT <= 2 ? 4 : 2) : (MT <= 2 ? 2 : 1);
+  int64_t n = begin;
+  for (; n + NB <= end; n += NB) tile8<MT, NB>(w, x, out, n);
+  for (; n < end; ++n) tile8<MT, 1>(w, x, out, n);
+}
+
+void rows_of_outputs8(const Weight8& w, const float* x, float* out, int64_t rows, int64_t begin, int64_t end) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) outputs8<4>(w, x + m * w.k, out + m * w.n, begin, end);
+  switch (rows - m) {
+    case 3: outputs8<3>(w, x + m * w.k, out + m * w.n, begin, end); break;
+    case 2: outputs8<2>(w, x + m * w.k, out + m * w.n, begin, end); break;
+    case 1: outputs8<1>(w, x + m * w.k, out + m * w.n, begin, end); break;
+    default: break;
+  }
+}
+
 }  // namespace
 
 // x: float32 [M, K]; codes: uint8 [P, N, K / 2]; scale: float32 [P, N, K / 32]; bias: float32 [N, K / 32].
@@ -160,20 +227,38 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
   return out;
 }
 
+// x: float32 [M, K]; codes: int8 [N, K]; scale: float32 [N, K / 16]. Returns float32 [M, N].
+torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous() &&
+                  codes.size(1) == x.size(1) && x.size(1) % kGroup8 == 0,
+              "codes: contiguous int8 [N, K], K a multiple of 16");
+  const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+                  scale.sizes() == torch::IntArrayRef({n, k / kGroup8}), "scale: contiguous float32 [N, K / 16]");
+  auto out = torch::empty({rows, n}, x.options());
+  const Weight8 w{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs8(w, xp, op, rows, begin, end); });
+  return out;
+}
+
 // int4_blocks.cpp
 torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
                                             const std::vector<std::vector<torch::Tensor>>& qkv,
                                             const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
                                             const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim, bool compiled);
+                                            int64_t dim);
 torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
                         double eps, const std::vector<std::vector<torch::Tensor>>& out,
                         const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate, bool compiled);
+                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
+  m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");

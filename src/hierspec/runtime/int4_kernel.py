@@ -69,6 +69,19 @@ class PackedInt4:
     bias: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PackedInt8:
+    """An 8-bit weight (``Q8_0``, ``Q6_K``) in the compiled kernel's layout: ``weight = codes * scales`` per group of
+    16 inputs.
+
+    Attributes:
+        codes: int8 ``[out, in]``; scales: float32 ``[out, in / 16]``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
 def pack_passes(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
                 ) -> PackedInt4:
     """The compiled layout of passes ``w = (code - 8) * scale + zero`` (codes uint8 ``[out, in]`` 0..15, scales
@@ -87,8 +100,10 @@ def pack_passes(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], z
                       bias.float().contiguous())
 
 
-def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4) -> torch.Tensor:
+def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8) -> torch.Tensor:
     """``rows`` (float32 ``[m, in]``) times the packed weight, float32 ``[m, out]``."""
+    if isinstance(weight, PackedInt8):
+        return kernel.int8_mm(rows, weight.codes, weight.scales)
     return kernel.int4_mm(rows, weight.codes, weight.scales, weight.bias)
 
 
@@ -195,22 +210,26 @@ def choice_path(threads: int) -> Path:
     return _build_dir() / f"choice-t{threads}.json"
 
 
-def read_choice(path: Path) -> str | None:
-    """The kernel a choice file names, or ``None`` when there is none or it cannot be read (it is then timed
-    again)."""
+def read_choice(path: Path) -> tuple[str, str] | None:
+    """The kernels a choice file names for 4-bit and 8-bit weights, or ``None`` when there is none or it cannot be
+    read (they are then timed again)."""
     try:
-        chosen = json.loads(path.read_text(encoding="utf-8")).get("kernel")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        chosen = (data.get("four_bit"), data.get("eight_bit"))
     except (OSError, ValueError, AttributeError):
         return None
-    return chosen if chosen in ("compiled", "torch") else None
+    return chosen if all(name in ("compiled", "torch") for name in chosen) else None
 
 
-def write_choice(path: Path, chosen: str, timings: Mapping[str, Sequence[float]]) -> None:
-    """Keep the automatic choice (with the timings behind it); a disk that refuses the write only costs a timing
-    at the next load."""
+def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]]
+                 ) -> None:
+    """Keep the automatic choice (with the timings behind it, per form); a disk that refuses the write only costs a
+    timing at the next load."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"kernel": chosen, "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE),
-                                 "seconds": {name: list(times) for name, times in timings.items()}})
+        write_json_atomic(path, {"four_bit": four_bit, "eight_bit": eight_bit, "rows": list(CHOICE_ROWS),
+                                 "shape": list(CHOICE_SHAPE),
+                                 "seconds": {form: {name: list(times) for name, times in per.items()}
+                                             for form, per in timings.items()}})
     except OSError as exc:
         log.warning("the int4 kernel choice cannot be kept in %s (%s); it is timed again at the next load", path, exc)

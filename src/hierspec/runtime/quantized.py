@@ -93,6 +93,33 @@ class Int4Weight:
         return Int4Weight(self.codes[order], self.scales[order], self.zeros[order])
 
 
+def as_int8(passes: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The signed 8-bit codes ``[out, in]`` and scales ``[out, in / 16]`` (``weight = code * scale``) of a ``Q8_0``
+    weight (two passes) or a ``Q6_K`` one (four), rebuilt exactly from its passes; ``None`` for a 4-bit weight.
+
+    ``Q8_0``: the high pass holds ``(v >> 4) + 8``, the low pass ``v & 15`` at scale ``d``, so ``v = (h - 8) * 16 + l``.
+    ``Q6_K``: each half of a 32-element group has a low pass ``l`` at scale ``D`` and a high pass ``h + 2``, so the
+    half's code is ``l + 16 h - 32`` at ``D``. A ``Q6_K`` weight then streams 1.25 bytes per weight instead of four
+    4-bit passes' ~2.5.
+    """
+    if len(passes) == 2:
+        high, low = passes
+        codes = (high.codes.to(torch.int16) - 8) * 16 + low.codes.to(torch.int16)
+        return codes.to(torch.int8), low.scales.repeat_interleave(2, dim=1).contiguous()
+    if len(passes) != 4:
+        return None
+    rows, cols = passes[0].codes.shape
+    codes = torch.empty(rows, cols // GROUP, 2, GROUP // 2, dtype=torch.int16)
+    scales = torch.empty(rows, cols // GROUP, 2)
+    for half in (0, 1):
+        low, high = passes[2 * half], passes[2 * half + 1]
+        own_low = low.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half].to(torch.int16)
+        own_high = high.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half].to(torch.int16) - 2
+        codes[:, :, half] = own_low + 16 * own_high - 32
+        scales[:, :, half] = low.scales
+    return codes.reshape(rows, cols).to(torch.int8), scales.reshape(rows, -1)
+
+
 def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4Weight]:
     """The 4-bit passes of one GGUF tensor ``[rows, cols]`` stored as ``kind`` blocks in ``raw`` (its bytes).
 
@@ -183,50 +210,50 @@ def kernel_reason() -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Int4Kernels:
+    """Which kernel multiplies each form of a GGUF weight: ``four_bit`` (``Q4_0``, ``Q4_1``, ``Q4_K``: one 4-bit
+    pass) and ``eight_bit`` (``Q8_0``, ``Q6_K``: the compiled kernel's 8-bit product, or PyTorch's kernel over their
+    two or four 4-bit passes) — each ``"compiled"`` or ``"torch"``."""
+
+    four_bit: str
+    eight_bit: str
+
+
 class Int4Projection:
-    """Several quantized linears applied to one input (q/k/v, gate/up): one int4 product of their stacked weights,
+    """Several quantized linears applied to one input (q/k/v, gate/up): one product of their stacked weights,
     outputs in float32 (plus the float32 biases). Neighbouring members with the same number of passes are stacked
     together (a ``Q6_K`` value projection beside ``Q4_K`` queries and keys is a stack of its own).
 
-    ``kernel``: ``"compiled"`` (:mod:`~hierspec.runtime.int4_kernel`: float32 rows, float32 scales, every pass in
-    one call) or ``"torch"`` (PyTorch's kernel: bfloat16 rows and scales, one call per pass) — see
-    :func:`resolve_kernel`. Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one
-    tensor for all members).
+    A stack runs on one kernel for every row count (see :class:`Int4Kernels` and :func:`resolve_kernel`): the
+    compiled one (:mod:`~hierspec.runtime.int4_kernel`: float32 rows and scales; a ``Q8_0``/``Q6_K`` weight as signed
+    8-bit codes with a scale per 16 inputs) or PyTorch's (bfloat16 rows and scales, one call per 4-bit pass). Call
+    it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
     """
 
     packed = True
 
     def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None],
-                 kernel: str = "torch") -> None:
+                 kernel: str = "torch", eight_bit: str | None = None) -> None:
         self.kernel = kernel
         self.widths = [passes[0].codes.shape[0] for passes in members]
-        self.stacks: list = []
-        for depth, run in itertools.groupby(members, key=len):
-            group = list(run)
-            per_pass = [[passes[i] for passes in group] for i in range(depth)]
-            if kernel == "compiled":
-                self.stacks.append(int4_kernel.pack_passes([torch.cat([w.codes for w in ws]) for ws in per_pass],
-                                                           [torch.cat([w.scales for w in ws]) for ws in per_pass],
-                                                           [torch.cat([w.zeros for w in ws]) for ws in per_pass]))
-            else:
-                self.stacks.append([_pack(ws) for ws in per_pass])
+        self.stacks: list = [_stack(list(run), kernel if depth == 1 else (eight_bit or kernel))
+                             for depth, run in itertools.groupby(members, key=len)]
         ends = list(itertools.accumulate(self.widths))
         self._bounds = list(zip([0] + ends[:-1], ends))
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
-        self._product = _compiled_product if kernel == "compiled" else _stack_product
-        self._dtype = torch.float32 if kernel == "compiled" else KERNEL_DTYPE
-        #: the stacks as the compiled layer halves take them (int4_blocks.cpp): per stack, the compiled kernel's
-        #: ``[codes, scales, bias]`` or PyTorch's ``[packed, table]`` of each pass in turn
-        self.native = [[stack.codes, stack.scales, stack.bias] if kernel == "compiled"
+        #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
+        #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]`` or PyTorch's ``[packed, table]`` per pass
+        self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
+                       else [stack.codes, stack.scales, stack.bias] if isinstance(stack, int4_kernel.PackedInt4)
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
-        inputs = rows.to(self._dtype).contiguous()
         if len(self.stacks) == 1:
-            product = self._product(inputs, self.stacks[0])
+            product = _product(rows, self.stacks[0])
         else:
-            product = torch.cat([self._product(inputs, stack) for stack in self.stacks], dim=-1)
+            product = torch.cat([_product(rows, stack) for stack in self.stacks], dim=-1)
         if self.bias is not None:
             product = product + self.bias
         if not split or len(self.widths) == 1:
@@ -234,9 +261,26 @@ class Int4Projection:
         return [product[:, start:stop] for start, stop in self._bounds]
 
 
-def _compiled_product(inputs: torch.Tensor, weight: int4_kernel.PackedInt4) -> torch.Tensor:
-    module, _ = int4_kernel.compiled_kernel()
-    return int4_kernel.int4_mm(module, inputs, weight)
+def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
+    """One stack of members with equal pass counts, in ``kernel``'s layout."""
+    depth = len(members[0])
+    if kernel == "compiled" and depth > 1:
+        forms = [as_int8(member) for member in members]
+        return int4_kernel.PackedInt8(torch.cat([codes for codes, _ in forms]).contiguous(),
+                                      torch.cat([scales for _, scales in forms]).contiguous())
+    per_pass = [[passes[i] for passes in members] for i in range(depth)]
+    if kernel == "compiled":
+        return int4_kernel.pack_passes([torch.cat([w.codes for w in ws]) for ws in per_pass],
+                                       [torch.cat([w.scales for w in ws]) for ws in per_pass],
+                                       [torch.cat([w.zeros for w in ws]) for ws in per_pass])
+    return [_pack(ws) for ws in per_pass]
+
+
+def _product(rows: torch.Tensor, stack) -> torch.Tensor:
+    if isinstance(stack, (int4_kernel.PackedInt4, int4_kernel.PackedInt8)):
+        module, _ = int4_kernel.compiled_kernel()
+        return int4_kernel.int4_mm(module, rows.to(torch.float32).contiguous(), stack)
+    return _stack_product(rows.to(KERNEL_DTYPE).contiguous(), stack)
 
 
 def _stack_product(inputs: torch.Tensor, passes: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -254,52 +298,59 @@ except AttributeError:  # a PyTorch without it: kernel_reason() says so and the 
     _INT4_MM = None
 
 
-def resolve_kernel(choice: str = "auto") -> tuple[str | None, str | None]:
-    """``(kernel, None)`` — which int4 kernel runs for ``choice`` (``"auto"``, ``"compiled"`` or ``"torch"``) —
-    or ``(None, reason)`` when the asked kernel (with ``auto``: either) cannot run here.
+def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None]:
+    """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"`` or
+    ``"torch"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: either) cannot run here.
 
-    ``auto`` takes the only one that works, or, when both do, the faster in a short interleaved timing at 1 and 4
-    rows (:func:`~hierspec.runtime.int4_kernel.choose_kernel`), timed once per machine and thread count and kept
-    in a file beside the compiled kernel.
+    ``compiled`` and ``torch`` name one kernel for both forms. ``auto`` takes the only one that works, or, when both
+    do, the faster for each form in a short interleaved timing at 1 and 4 rows
+    (:func:`~hierspec.runtime.int4_kernel.choose_kernel`), timed once per machine and thread count and kept in a file
+    beside the compiled kernel.
     """
     if choice not in int4_kernel.KERNEL_CHOICES:
         raise ValueError(f"unknown int4 kernel {choice!r}: use {', '.join(int4_kernel.KERNEL_CHOICES)}")
     torch_reason = kernel_reason()
     compiled_reason = None if choice == "torch" else int4_kernel.compiled_kernel()[1]
     if choice == "torch":
-        return (None, torch_reason) if torch_reason else ("torch", None)
+        return (None, torch_reason) if torch_reason else (Int4Kernels("torch", "torch"), None)
     if choice == "compiled":
-        return (None, compiled_reason) if compiled_reason else ("compiled", None)
+        return (None, compiled_reason) if compiled_reason else (Int4Kernels("compiled", "compiled"), None)
     if compiled_reason and torch_reason:
         return None, f"{torch_reason}; {compiled_reason}"
     if compiled_reason or torch_reason:
+        only = "torch" if compiled_reason else "compiled"
         log.info("int4 products by %s: %s", "PyTorch's kernel" if compiled_reason else "the compiled kernel",
                  compiled_reason or torch_reason)
-        return ("torch" if compiled_reason else "compiled"), None
+        return Int4Kernels(only, only), None
     return _timed_choice(torch.get_num_threads()), None
 
 
 @functools.lru_cache(maxsize=None)
-def _timed_choice(threads: int) -> str:
-    """The faster kernel here: read from the choice file beside the compiled kernel (one per thread count), or
-    timed and written there, so that every process on this machine runs the same model (a fresh timing could flip
-    between two close kernels and, with it, the last bits of every product)."""
+def _timed_choice(threads: int) -> Int4Kernels:
+    """The faster kernel for each weight form here: read from the choice file beside the compiled kernel (one per
+    thread count), or timed and written there, so that every process on this machine runs the same model (a fresh
+    timing could flip between two close kernels and, with it, the last bits of every product). The 8-bit form is
+    timed as a ``Q8_0`` weight (PyTorch's kernel over two passes streams the same bytes as the compiled 8-bit
+    product; over a ``Q6_K`` weight's four passes, twice those)."""
     path = int4_kernel.choice_path(threads)
-    chosen = int4_kernel.read_choice(path)
-    if chosen is not None:
-        return chosen
+    kept = int4_kernel.read_choice(path)
+    if kept is not None:
+        return Int4Kernels(*kept)
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = int4_kernel.CHOICE_SHAPE
-    weight = [Int4Weight(torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8),
+    passes = [Int4Weight(torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8),
                          torch.rand(out_features, in_features // GROUP, generator=generator),
-                         torch.rand(out_features, in_features // GROUP, generator=generator))]
-    projections = {name: Int4Projection([weight], [None], kernel=name) for name in ("torch", "compiled")}
-    timings = int4_kernel.time_kernels(projections, in_features)
-    chosen = int4_kernel.choose_kernel(timings)
-    log.info("int4 products by the %s kernel (ms at %s rows: %s)", chosen, "/".join(map(str, int4_kernel.CHOICE_ROWS)),
-             "; ".join(f"{name} " + "/".join(f"{t * 1e3:.3f}" for t in times) for name, times in timings.items()))
-    int4_kernel.write_choice(path, chosen, timings)
-    return chosen
+                         torch.rand(out_features, in_features // GROUP, generator=generator)) for _ in range(2)]
+    timings, chosen = {}, {}
+    for form, weight in (("four_bit", passes[:1]), ("eight_bit", passes)):
+        projections = {name: Int4Projection([weight], [None], kernel=name) for name in ("torch", "compiled")}
+        timings[form] = int4_kernel.time_kernels(projections, in_features)
+        chosen[form] = int4_kernel.choose_kernel(timings[form])
+        log.info("int4 path, %s weights: the %s kernel (ms at %s rows: %s)", form.replace("_", "-"), chosen[form],
+                 "/".join(map(str, int4_kernel.CHOICE_ROWS)), "; ".join(
+                     f"{name} " + "/".join(f"{t * 1e3:.3f}" for t in times) for name, times in timings[form].items()))
+    int4_kernel.write_choice(path, chosen["four_bit"], chosen["eight_bit"], timings)
+    return Int4Kernels(chosen["four_bit"], chosen["eight_bit"])
 
 
 def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
