@@ -147,7 +147,8 @@ def test_asking_for_an_int4_kernel_that_cannot_run_is_a_clear_error(tmp_path, mo
 
     model = make_model("llama", vocab_size=64, seed=7, dtype=torch.float32, layers=2, hidden=64)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", model)
-    monkeypatch.setattr(runtime, "resolve_kernel", lambda choice: (None, "the compiled int4 kernel could not be built (x)"))
+    reason = "the compiled int4 kernel could not be built (x)"
+    monkeypatch.setattr(runtime, "resolve_kernel", lambda choice: (None, reason))
     with pytest.raises(InputError, match="int4 runtime is unavailable: the compiled int4 kernel could not be built"):
         TargetModel(model, make_tokenizer(64), "tiny", RuntimeConfig(kind="int4", gguf=str(path),
                                                                      int4_kernel="compiled"))
@@ -159,7 +160,8 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
     path = tmp_path / "choice-t2.json"
     k.write_choice(path, "torch", "compiled", {"four_bit": {"torch": [1.0, 2.0], "compiled": [1.5, 3.0]}})
     assert k.read_choice(path) == ("torch", "compiled")
-    for damaged in ("{not json", '{"four_bit": "fastest", "eight_bit": "torch"}', '{"kernel": "torch"}', "[]"):
+    for damaged in ("{not json", '{"version": 2, "four_bit": "fastest", "eight_bit": "torch"}', '{"kernel": "torch"}',
+                    '{"four_bit": "torch", "eight_bit": "torch"}', "[]"):  # the last: before versions
         path.write_text(damaged)
         assert k.read_choice(path) is None
     monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")

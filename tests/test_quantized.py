@@ -204,7 +204,8 @@ def prefill(request, monkeypatch):
 @pytest.fixture(params=["compiled", "torch", "mixed"])
 def kernel(request, monkeypatch):
     """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's), and the two mixed as ``auto``
-    chooses on CPUs with native bfloat16: 4-bit weights by PyTorch's kernel, 8-bit ones by the compiled product."""
+    chooses on CPUs with native bfloat16: 4-bit and Q8_0 weights by PyTorch's kernel, Q6_K ones by the compiled
+    8-bit product."""
     if request.param == "mixed":
         for name in ("torch", "compiled"):
             if q.resolve_kernel(name)[0] is None:

@@ -50,6 +50,9 @@ KERNEL_CHOICES = ("auto", "compiled", "torch")
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
+#: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones);
+#: a file of another version is timed again
+CHOICE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -216,9 +219,10 @@ def read_choice(path: Path) -> tuple[str, str] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         chosen = (data.get("four_bit"), data.get("eight_bit"))
+        version = data.get("version")
     except (OSError, ValueError, AttributeError):
         return None
-    return chosen if all(name in ("compiled", "torch") for name in chosen) else None
+    return chosen if version == CHOICE_VERSION and all(name in ("compiled", "torch") for name in chosen) else None
 
 
 def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]]
@@ -227,7 +231,8 @@ def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str
     timing at the next load."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"four_bit": four_bit, "eight_bit": eight_bit, "rows": list(CHOICE_ROWS),
+        write_json_atomic(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
+                                 "rows": list(CHOICE_ROWS),
                                  "shape": list(CHOICE_SHAPE),
                                  "seconds": {form: {name: list(times) for name, times in per.items()}
                                              for form, per in timings.items()}})
