@@ -125,7 +125,7 @@ def machine_identity(target: TargetModel) -> dict:
 
 def _int4_kernels(target: TargetModel) -> dict:
     """The int4 path's kernels for 4-bit and 8-bit weights (both ``None`` off that path)."""
-    kernels = getattr(target.runtime, "int4_kernel", None) if target.runtime.kind == "int4" else None
+    kernels = target.runtime.int4_kernel if target.runtime.kind == "int4" else None
     return {"int4_kernel": kernels and kernels.four_bit, "int8_kernel": kernels and kernels.eight_bit}
 
 

@@ -35,7 +35,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
                             "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows) or auto (the default: the "
-                            "faster of the two here, timed at load)")
+                            "faster of the two here for each weight form, timed once per machine and kept)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

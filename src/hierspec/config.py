@@ -123,8 +123,9 @@ class ModelConfig:
             ``"exact"`` (every tree row bit-identical to plain decoding; costs more per forward, BENCHMARKS.md "Exact
             tree attention"; hierspec's own decoder on the CPU only).
         int4_kernel: which kernel multiplies a GGUF file's codes on the int4 path: ``"auto"`` (the faster of the
-            two that work here, timed once per process), ``"compiled"`` (hierspec's own, built for this CPU;
-            float32 rows) or ``"torch"`` (PyTorch's weight-only int4 kernel; bfloat16 rows).
+            two that work here for each weight form, timed once per machine and thread count and kept),
+            ``"compiled"`` (hierspec's own, built for this CPU; float32 rows) or ``"torch"`` (PyTorch's weight-only
+            int4 kernel; bfloat16 rows).
     """
 
     spec: str | None = None

@@ -35,6 +35,7 @@ from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
+from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
@@ -100,8 +101,8 @@ class RuntimeConfig:
             raise InputError("runtime buckets must be increasing positive row counts")
         if self.decoder not in ("auto", "transformers"):
             raise InputError(f"unknown decoder {self.decoder!r}: use auto or transformers")
-        if self.int4_kernel not in ("auto", "compiled", "torch"):
-            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled or torch")
+        if self.int4_kernel not in KERNEL_CHOICES:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use {', '.join(KERNEL_CHOICES)}")
         if self.attention not in ATTENTIONS:
             raise InputError(f"unknown attention {self.attention!r}: use {', '.join(ATTENTIONS)}")
 

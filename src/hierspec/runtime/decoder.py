@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hierspec.runtime import int4_kernel
 from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
@@ -282,8 +283,6 @@ class Int4Layers:
     def for_decoder(cls, decoder: LlamaFamilyDecoder) -> Int4Layers | None:
         """The fused halves for ``decoder`` (whose projections are all :class:`Int4Projection`), or ``None`` where the
         compiled extension cannot be built here."""
-        from hierspec.runtime import int4_kernel
-
         module, reason = int4_kernel.compiled_kernel()
         if module is None or any(p.bias is not None for layer in decoder.layers
                                  for p in (layer.out, layer.gate_up, layer.down)):

@@ -107,31 +107,6 @@ void tile(const Weight& w, const float* x, const float* xsum, float* out, int64_
       out[m * w.n + n0 + j] = lane_sum(acc[m][j]) + dot_groups(w.bias + (n0 + j) * groups, xsum + m * groups, groups);
 }
 
-template <int MT>
-void outputs(const Weight& w, const float* x, const float* xsum, float* out, int64_t begin, int64_t end) {
-  // MT x NB accumulators, the decoded codes and the inputs fit the vector registers (32 with AVX-512, else 16)
-  constexpr int NB = kLanes == 16 ? (MT <= 2 ? 4 : 2) : (MT <= 2 ? 2 : 1);
-  int64_t n = begin;
-  for (; n + NB <= end; n += NB) tile<MT, NB>(w, x, xsum, out, n);
-  for (; n < end; ++n) tile<MT, 1>(w, x, xsum, out, n);
-}
-
-void rows_of_outputs(const Weight& w, const float* x, const float* xsum, float* out, int64_t rows, int64_t begin,
-                     int64_t end) {
-  const int64_t groups = w.k / kGroup;
-  int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) outputs<4>(w, x + m * w.k, xsum + m * groups, out + m * w.n, begin, end);
-  const float* xr = x + m * w.k;
-  const float* sr = xsum + m * groups;
-  float* orow = out + m * w.n;
-  switch (rows - m) {
-    case 3: outputs<3>(w, xr, sr, orow, begin, end); break;
-    case 2: outputs<2>(w, xr, sr, orow, begin, end); break;
-    case 1: outputs<1>(w, xr, sr, orow, begin, end); break;
-    default: break;
-  }
-}
-
 // 8-bit weights (Q8_0, Q6_K): signed codes with one scale per 16 inputs, out[m, n] = sum_g scale[n, g] *
 // sum_j code[n, 16g + j] * x[m, 16g + j]; the same tiling and the same invariance as the 4-bit product.
 constexpr int64_t kGroup8 = 16;
@@ -178,21 +153,44 @@ void tile8(const Weight8& w, const float* x, float* out, int64_t n0) {
     for (int j = 0; j < NB; ++j) out[m * w.n + n0 + j] = lane_sum(acc[m][j]);
 }
 
-template <int MT>
-void outputs8(const Weight8& w, const float* x, float* out, int64_t begin, int64_t end) {
+// A product's operands from some row on: a 4-bit weight with its rows' group sums, or an 8-bit weight.
+struct Rows4 {
+  const Weight& w;
+  const float* x;
+  const float* xsum;
+  float* out;
+  Rows4 from(int64_t m) const { return {w, x + m * w.k, xsum + m * (w.k / kGroup), out + m * w.n}; }
+  template <int MT, int NB>
+  void tile_at(int64_t n0) const { tile<MT, NB>(w, x, xsum, out, n0); }
+};
+
+struct Rows8 {
+  const Weight8& w;
+  const float* x;
+  float* out;
+  Rows8 from(int64_t m) const { return {w, x + m * w.k, out + m * w.n}; }
+  template <int MT, int NB>
+  void tile_at(int64_t n0) const { tile8<MT, NB>(w, x, out, n0); }
+};
+
+template <int MT, class Rows>
+void outputs(const Rows& rows, int64_t begin, int64_t end) {
+  // MT x NB accumulators, the decoded codes and the inputs fit the vector registers (32 with AVX-512, else 16)
   constexpr int NB = kLanes == 16 ? (MT <= 2 ? 4 : 2) : (MT <= 2 ? 2 : 1);
   int64_t n = begin;
-  for (; n + NB <= end; n += NB) tile8<MT, NB>(w, x, out, n);
-  for (; n < end; ++n) tile8<MT, 1>(w, x, out, n);
+  for (; n + NB <= end; n += NB) rows.template tile_at<MT, NB>(n);
+  for (; n < end; ++n) rows.template tile_at<MT, 1>(n);
 }
 
-void rows_of_outputs8(const Weight8& w, const float* x, float* out, int64_t rows, int64_t begin, int64_t end) {
+// outputs begin..end of every row, the rows four at a time and the rest as one tile
+template <class Rows>
+void rows_of_outputs(const Rows& rows, int64_t count, int64_t begin, int64_t end) {
   int64_t m = 0;
-  for (; m + 4 <= rows; m += 4) outputs8<4>(w, x + m * w.k, out + m * w.n, begin, end);
-  switch (rows - m) {
-    case 3: outputs8<3>(w, x + m * w.k, out + m * w.n, begin, end); break;
-    case 2: outputs8<2>(w, x + m * w.k, out + m * w.n, begin, end); break;
-    case 1: outputs8<1>(w, x + m * w.k, out + m * w.n, begin, end); break;
+  for (; m + 4 <= count; m += 4) outputs<4>(rows.from(m), begin, end);
+  switch (count - m) {
+    case 3: outputs<3>(rows.from(m), begin, end); break;
+    case 2: outputs<2>(rows.from(m), begin, end); break;
+    case 1: outputs<1>(rows.from(m), begin, end); break;
     default: break;
   }
 }
@@ -223,7 +221,8 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
   }
   const Weight w{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), bias.data_ptr<float>(), passes, n, k};
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs(w, xp, sp, op, rows, begin, end); });
+  const Rows4 operands{w, xp, sp, op};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs(operands, rows, begin, end); });
   return out;
 }
 
@@ -240,7 +239,8 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
   const Weight8 w{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs8(w, xp, op, rows, begin, end); });
+  const Rows8 operands{w, xp, op};
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs(operands, rows, begin, end); });
   return out;
 }
 

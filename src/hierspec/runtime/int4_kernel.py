@@ -5,7 +5,8 @@ PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams
 about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
 kernel"). The compiled kernel multiplies float32 rows by the file's codes with float32 scales and offsets, decoding
 each group of 32 codes once for up to four rows, threaded by PyTorch's own pool (``at::parallel_for``: no second
-set of threads competing for the two cores). Its results are batch-invariant by construction (see the source's
+set of threads competing for the two cores); a second product takes ``Q8_0``/``Q6_K`` weights as signed 8-bit
+codes with a scale per 16 inputs (:class:`PackedInt8`). Both are batch-invariant by construction (see the source's
 header), so a tree row's products equal the chain's. The layer halves (``rms_norm``, ``attention_inputs``,
 ``mlp_block``) run a layer's small operations from C++, with either kernel's products
 (:mod:`~hierspec.runtime.decoder`).

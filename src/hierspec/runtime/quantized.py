@@ -1,4 +1,6 @@
-"""A GGUF file's 4-bit and 8-bit weights in every forward, through PyTorch's weight-only int4 kernel on the CPU.
+"""A GGUF file's 4-bit and 8-bit weights in every forward on the CPU, through PyTorch's weight-only int4 kernel or
+hierspec's compiled one (:mod:`~hierspec.runtime.int4_kernel`; :class:`Int4Kernels` and :func:`resolve_kernel` say
+which runs each weight form).
 
 Expanding a Q4_1 file to float32 makes every forward stream ~6x the bytes the file holds (SmolLM2-135M: 540 MB
 instead of ~90 MB). ``aten._weight_int4pack_mm_for_cpu`` multiplies bfloat16 rows by 4-bit codes in groups of 32
@@ -237,7 +239,6 @@ class Int4Projection:
 
     def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None],
                  kernel: str = "torch", eight_bit: str | None = None) -> None:
-        self.kernel = kernel
         self.widths = [passes[0].codes.shape[0] for passes in members]
         self.stacks: list = [_stack(list(run), kernel if depth <= 2 else (eight_bit or kernel))
                              for depth, run in itertools.groupby(members, key=len)]
