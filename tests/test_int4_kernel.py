@@ -91,6 +91,110 @@ def test_the_kernel_refuses_inputs_of_the_wrong_shape_or_dtype():
         k.int4_mm(MODULE, torch.randn(2, 32), weight)
 
 
+AMX_REASON = k.amx_reason()
+needs_amx = pytest.mark.skipif(AMX_REASON is not None, reason=str(AMX_REASON))
+
+
+def test_amx_packing_puts_tile_rows_h_and_h_plus_8_in_one_byte_in_pair_order():
+    codes = ((torch.arange(16).reshape(16, 1) + torch.arange(32).reshape(1, 32)) % 16).to(torch.uint8)  # (n + k) % 16
+    packed = k.pack_amx([codes], [torch.full((16, 1), 2.0)], [torch.full((16, 1), 16.5)])
+    assert packed.codes.shape == (1, 1, 1, 256)
+    # byte q of chunk h: tile row h, element q (output q // 2, input 2h + q % 2) low; the same 16 inputs on, high
+    first = packed.codes[0, 0, 0]
+    assert first[:4].tolist() == [0x00, 0x11, 0x11, 0x22]  # (0,0)|(0,16); (0,1)|(0,17); (1,0)|(1,16); (1,1)|(1,17)
+    assert first[32].item() == 0x22  # chunk 1: output 0, inputs 2 and 18
+    assert packed.scales.shape == (1, 1, 1, 16) and packed.scales.flatten().tolist() == [2.0] * 16
+    assert packed.bias.flatten().tolist() == [0.5] * 16  # zero - 8 * scale
+    signed = (torch.arange(16 * 16).reshape(16, 16) - 128).to(torch.int8)  # code[n, k] = 16 n + k - 128
+    eight = k.pack_amx_int8(signed, torch.ones(16, 1))
+    assert eight.codes.shape == (1, 1, 1, 256) and eight.codes.dtype == torch.int8
+    assert eight.codes[0, 0, 0, :4].tolist() == [-128, -127, -112, -111]  # (0,0), (0,1), (1,0), (1,1)
+    assert eight.codes[0, 0, 0, 32].item() == -126  # tile row 1: output 0, input 2
+
+
+def _amx_expected(rows, dense_codes, bias=None):
+    """The AMX products' model in float64: the rows rounded to bfloat16 times the scaled codes, plus each group's
+    float32-exact row sums times its bias."""
+    expected = rows.bfloat16().double() @ dense_codes.t()
+    if bias is not None:
+        expected += rows.double().reshape(rows.shape[0], -1, 32).sum(-1) @ bias.t()
+    return expected
+
+
+@needs_amx
+@pytest.mark.parametrize(("out_features", "in_features", "passes", "rows"),
+                         [(16, 32, 1, 1), (48, 96, 2, 9), (960, 576, 1, 17), (144, 1536, 4, 40)])
+def test_amx_products_equal_their_model_in_float64(out_features, in_features, passes, rows):
+    generator = torch.Generator().manual_seed(2)
+    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+             for _ in range(passes)]
+    scales = [torch.rand(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
+    zeros = [torch.randn(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
+    x = torch.randn(rows, in_features, generator=generator)
+    got = k.int4_mm(MODULE, x, k.pack_amx(codes, scales, zeros)).double()
+    expected = _amx_expected(x, sum(c.double() * s.double().repeat_interleave(32, 1) for c, s in zip(codes, scales)),
+                             sum(z.double() - 8 * s.double() for z, s in zip(zeros, scales)))
+    assert got.shape == (rows, out_features)
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    signed_scales = torch.rand(out_features, in_features // 16, generator=generator) * 0.01
+    got = k.int4_mm(MODULE, x, k.pack_amx_int8(signed, signed_scales)).double()
+    expected = _amx_expected(x, signed.double() * signed_scales.double().repeat_interleave(16, 1))
+    assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
+
+
+@needs_amx
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_an_amx_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_it(data):
+    """One tile (up to 16 rows), several tiles (a prompt): every row's operations are the same."""
+    generator = torch.Generator().manual_seed(3)
+    weight, _ = _random_weight(48, 128, 2, seed=3)
+    amx = k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8) for _ in range(2)],
+                     list(weight.scales.unbind(0)), [torch.zeros(48, 4), torch.ones(48, 4)])
+    eight = k.pack_amx_int8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
+                            torch.rand(48, 8, generator=generator))
+    rows = torch.randn(37, 128, generator=torch.Generator().manual_seed(4))
+    packed = data.draw(st.sampled_from([amx, eight]))
+    whole = k.int4_mm(MODULE, rows, packed)
+    start = data.draw(st.integers(0, 36))
+    stop = data.draw(st.integers(start + 1, 37))
+    picked = data.draw(st.lists(st.integers(0, 36), min_size=1, max_size=20))
+    assert torch.equal(k.int4_mm(MODULE, rows[start:stop].contiguous(), packed), whole[start:stop])
+    assert torch.equal(k.int4_mm(MODULE, rows[picked].contiguous(), packed), whole[picked])
+
+
+@needs_amx
+def test_the_amx_product_refuses_operands_of_the_wrong_shape():
+    packed = k.pack_amx([torch.zeros(16, 64, dtype=torch.uint8)], [torch.ones(16, 2)], [torch.zeros(16, 2)])
+    with pytest.raises(RuntimeError, match="K must match"):
+        k.int4_mm(MODULE, torch.randn(2, 32), packed)
+    with pytest.raises(RuntimeError, match="bias"):
+        k.int4_mm(MODULE, torch.randn(2, 64), k.PackedAmx(packed.codes, packed.scales, torch.empty(0)))
+
+
+def test_amx_products_that_are_wrong_or_missing_are_reported(monkeypatch):
+    class NoTiles:
+        @staticmethod
+        def amx_ready():
+            return False
+
+    class Wrong(NoTiles):
+        @staticmethod
+        def amx_ready():
+            return True
+
+        @staticmethod
+        def int4_amx_mm(rows, codes, scales, bias):
+            return torch.zeros(rows.shape[0], codes.shape[1] * 16)
+
+    assert k._check_amx(Wrong()) == "the AMX products compute wrong products"
+    monkeypatch.setattr(k, "compiled_kernel", lambda: (NoTiles(), None))
+    assert k.amx_reason() == "this CPU (or its operating system) offers no AMX-BF16 tiles"
+    monkeypatch.setattr(k, "compiled_kernel", lambda: (None, "no compiler"))
+    assert k.amx_reason() == "no compiler"
+
+
 def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
     base = k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2")
     assert base == k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2")
@@ -104,6 +208,7 @@ def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
     ({"torch": [1.0, 2.0], "compiled": [0.5, 2.6]}, "torch"),  # 3.1 > 3.0: never the slower one
     ({"torch": [1.0, 2.0], "compiled": [2.0, 1.0]}, "torch"),  # a tie keeps the kernel that needs no compiler
     ({"compiled": [1.0, 1.0], "torch": [1.0, 1.5]}, "compiled"),
+    ({"torch": [1.0, 2.0], "compiled": [0.5, 2.4], "amx": [0.6, 0.7]}, "amx"),
 ])
 def test_the_automatic_choice_takes_the_faster_kernel_on_hand_made_timings(timings, expected):
     assert k.choose_kernel(timings) == expected
@@ -160,8 +265,9 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
     path = tmp_path / "choice-t2.json"
     k.write_choice(path, "torch", "compiled", {"four_bit": {"torch": [1.0, 2.0], "compiled": [1.5, 3.0]}})
     assert k.read_choice(path) == ("torch", "compiled")
-    for damaged in ("{not json", '{"version": 2, "four_bit": "fastest", "eight_bit": "torch"}', '{"kernel": "torch"}',
-                    '{"four_bit": "torch", "eight_bit": "torch"}', "[]"):  # the last: before versions
+    for damaged in ("{not json", '{"version": 3, "four_bit": "fastest", "eight_bit": "torch"}', '{"kernel": "torch"}',
+                    '{"version": 2, "four_bit": "torch", "eight_bit": "torch"}',  # before the AMX products
+                    '{"four_bit": "torch", "eight_bit": "torch"}', "[]"):  # the last two: before versions
         path.write_text(damaged)
         assert k.read_choice(path) is None
     monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
@@ -169,7 +275,12 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
     monkeypatch.setattr(k, "time_kernels", lambda *args, **kwargs: pytest.fail("timed although a choice was kept"))
     q._timed_choice.cache_clear()
     try:
-        assert q._timed_choice(3) == q.Int4Kernels("compiled", "torch")
+        assert q._timed_choice(3, ("torch", "compiled")) == q.Int4Kernels("compiled", "torch")
+        # a kept choice naming a kernel that no longer runs here is timed again among those that do
+        k.write_choice(tmp_path / "choice-t4.json", "amx", "amx", {})
+        monkeypatch.setattr(k, "time_kernels", lambda products, *args, **kwargs: {
+            name: [1.0 if name == "compiled" else 2.0] for name in products})
+        assert q._timed_choice(4, ("torch", "compiled")) == q.Int4Kernels("compiled", "compiled")
     finally:
         q._timed_choice.cache_clear()
 

@@ -201,16 +201,16 @@ def prefill(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["compiled", "torch", "mixed"])
+@pytest.fixture(params=["compiled", "torch", "amx", "mixed"])
 def kernel(request, monkeypatch):
-    """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's), and the two mixed as ``auto``
-    chooses on CPUs with native bfloat16: 4-bit and Q8_0 weights by PyTorch's kernel, Q6_K ones by the compiled
-    8-bit product."""
+    """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's, the AMX one), and two mixed as
+    ``auto`` chose on an Intel Xeon before the AMX products: 4-bit and Q8_0 weights by PyTorch's kernel, Q6_K ones by
+    the compiled 8-bit product."""
     if request.param == "mixed":
         for name in ("torch", "compiled"):
             if q.resolve_kernel(name)[0] is None:
                 pytest.skip(q.resolve_kernel(name)[1])
-        monkeypatch.setattr(q, "_timed_choice", lambda threads: q.Int4Kernels("torch", "compiled"))
+        monkeypatch.setattr(q, "_timed_choice", lambda threads, candidates: q.Int4Kernels("torch", "compiled"))
         return "auto"
     kernels, reason = q.resolve_kernel(request.param)
     if kernels is None:
@@ -249,12 +249,12 @@ def _tree_logits(*targets) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize(("int4_kernel", "tolerance"), [("torch", 0.1), ("compiled", 1e-5)])
+@pytest.mark.parametrize(("int4_kernel", "tolerance"), [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05)])
 def test_the_int4_forward_computes_the_files_model(tmp_path, float32_prefill, int4_kernel, tolerance):
     model, path = _tiny(tmp_path)
     expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path, int4_kernel))
-    # PyTorch's kernel rounds activations and scales to bfloat16: close; the compiled one keeps float32: equal up to
-    # the order of its sums
+    # PyTorch's kernel rounds activations and scales to bfloat16: close; the AMX one rounds activations only: closer;
+    # the compiled one keeps float32: equal up to the order of its sums
     error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < tolerance, error
     assert torch.equal(expected.argmax(-1), got.argmax(-1))

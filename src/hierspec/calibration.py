@@ -133,9 +133,10 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     """Where the cost curve of this model on this machine setting lives."""
     ident = machine_identity(target)
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
-    # curves with a compiled int4 kernel are their own; PyTorch's kernel keeps the name its curves always had
-    kernel = ("|compiled" if ident.get("int4_kernel") == "compiled" else "") + (
-        "|int8-compiled" if ident.get("int8_kernel") == "compiled" else "")
+    # curves with hierspec's own int4 kernels are their own; PyTorch's kernel keeps the name its curves always had
+    four, eight = ident.get("int4_kernel"), ident.get("int8_kernel")
+    kernel = (f"|{four}" if four in ("compiled", "amx") else "") + (
+        f"|int8-{eight}" if eight in ("compiled", "amx") else "")
     setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}"
     setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
     name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"

@@ -32,10 +32,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "kernel; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
                             "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
                             "it can run)")
-    group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch"],
+    group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch", "amx"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
-                            "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows) or auto (the default: the "
-                            "faster of the two here for each weight form, timed once per machine and kept)")
+                            "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows), amx (hierspec's own on "
+                            "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for about the price of one; bfloat16 "
+                            "rows) or auto (the default: the fastest here for each weight form, timed once per "
+                            "machine and kept)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -122,10 +122,11 @@ class ModelConfig:
             ``"sdpa"`` (PyTorch's attention: chains bit-exact, nodes of other branches may differ in the last bits) or
             ``"exact"`` (every tree row bit-identical to plain decoding; costs more per forward, BENCHMARKS.md "Exact
             tree attention"; hierspec's own decoder on the CPU only).
-        int4_kernel: which kernel multiplies a GGUF file's codes on the int4 path: ``"auto"`` (the faster of the
-            two that work here for each weight form, timed once per machine and thread count and kept),
-            ``"compiled"`` (hierspec's own, built for this CPU; float32 rows) or ``"torch"`` (PyTorch's weight-only
-            int4 kernel; bfloat16 rows).
+        int4_kernel: which kernel multiplies a GGUF file's codes on the int4 path: ``"auto"`` (the fastest of
+            those that work here for each weight form, timed once per machine and thread count and kept),
+            ``"compiled"`` (hierspec's own, built for this CPU; float32 rows), ``"torch"`` (PyTorch's weight-only
+            int4 kernel; bfloat16 rows) or ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
+            bfloat16 rows, float32 scales; 16 rows for about the price of one).
     """
 
     spec: str | None = None
@@ -139,8 +140,8 @@ class ModelConfig:
     int4_kernel: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.int4_kernel not in {"auto", "compiled", "torch"}:
-            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled or torch")
+        if self.int4_kernel not in {"auto", "compiled", "torch", "amx"}:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch or amx")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.attention not in {"auto", "sdpa", "exact"}:

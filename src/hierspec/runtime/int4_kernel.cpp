@@ -244,6 +244,11 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
   return out;
 }
 
+// int4_amx.cpp
+bool amx_ready();
+torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                          const torch::Tensor& bias);
+
 // int4_blocks.cpp
 torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps);
 std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
@@ -259,6 +264,8 @@ torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attend
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
   m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
+  m.def("amx_ready", &amx_ready, "whether the AMX products can run in this build and process");
+  m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");

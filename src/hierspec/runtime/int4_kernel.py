@@ -1,15 +1,18 @@
-"""hierspec's own int4 product (``int4_kernel.cpp``) and the int4 decoder's layer halves around attention
-(``int4_blocks.cpp``), compiled once per CPU; the choice between that product and PyTorch's.
+"""hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``) and the int4 decoder's layer halves
+around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between those products and PyTorch's.
 
 PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams a GGUF file's 4-bit weights at
 about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
 kernel"). The compiled kernel multiplies float32 rows by the file's codes with float32 scales and offsets, decoding
 each group of 32 codes once for up to four rows, threaded by PyTorch's own pool (``at::parallel_for``: no second
 set of threads competing for the two cores); a second product takes ``Q8_0``/``Q6_K`` weights as signed 8-bit
-codes with a scale per 16 inputs (:class:`PackedInt8`). Both are batch-invariant by construction (see the source's
-header), so a tree row's products equal the chain's. The layer halves (``rms_norm``, ``attention_inputs``,
-``mlp_block``) run a layer's small operations from C++, with either kernel's products
-(:mod:`~hierspec.runtime.decoder`).
+codes with a scale per 16 inputs (:class:`PackedInt8`). Both cost a multiply-add per weight per row, so 16 rows cost
+several times one. On CPUs with AMX-BF16 tiles (Intel Xeon from Sapphire Rapids on) the AMX products
+(:class:`PackedAmx`) decode each tile of codes once to bfloat16 and multiply it with up to 16 rows (rounded to
+bfloat16) in one tile instruction: a 16-row product costs little more than a one-row one. All three are
+batch-invariant by construction (see the sources' headers), so a tree row's products equal the chain's. The layer
+halves (``rms_norm``, ``attention_inputs``, ``mlp_block``) run a layer's small operations from C++, with any
+kernel's products (:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
 about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
@@ -37,7 +40,8 @@ from hierspec.storage import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
-SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"))
+SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
+           Path(__file__).with_name("int4_amx.cpp"))
 #: included by both sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"),)
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
@@ -46,14 +50,16 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 #: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
-KERNEL_CHOICES = ("auto", "compiled", "torch")
+KERNEL_CHOICES = ("auto", "compiled", "torch", "amx")
+#: the kernels ``auto`` chooses among (each where it runs)
+KERNELS = ("torch", "compiled", "amx")
 #: row counts the automatic choice times both kernels at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
-#: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones);
-#: a file of another version is timed again
-CHOICE_VERSION = 2
+#: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
+#: 3: the AMX products among the candidates); a file of another version is timed again
+CHOICE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,61 @@ def pack_passes(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], z
                       bias.float().contiguous())
 
 
-def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedAmx:
+    """A weight in the AMX products' layout (``int4_amx.cpp``): tiles of 16 outputs by one scale group.
+
+    Attributes:
+        codes: uint8 ``[passes, out / 16, in / 32, 256]`` (4-bit passes: two codes a byte) or int8
+            ``[1, out / 16, in / 16, 256]`` (8-bit codes), each 256 bytes in the tile's pair order.
+        scales: float32 ``[passes, out / 16, groups, 16]``.
+        bias: float32 ``[out / 16, in / 32, 16]`` for 4-bit passes (their offsets summed), empty for 8-bit codes.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+def _pair_tiles(codes: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes ``[out, in]`` as ``[out / 16, in / group, group / 2, 32]``: tile row ``r``, element ``q`` of block ``b``
+    and group ``g`` is ``codes[16 b + q // 2, group g + 2 r + q % 2]``."""
+    rows, cols = codes.shape
+    tiles = codes.reshape(rows // 16, 16, cols // group, group // 2, 2).permute(0, 2, 3, 1, 4)
+    return tiles.reshape(rows // 16, cols // group, group // 2, 32)
+
+
+def _per_block(values: torch.Tensor) -> torch.Tensor:
+    """Per-output, per-group values ``[out, groups]`` as ``[out / 16, groups, 16]``."""
+    rows, groups = values.shape
+    return values.reshape(rows // 16, 16, groups).permute(0, 2, 1).float().contiguous()
+
+
+def pack_amx(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
+             ) -> PackedAmx:
+    """The AMX layout of 4-bit passes ``w = (code - 8) * scale + zero`` (as :func:`pack_passes` takes them; ``out``
+    a multiple of 16): tile rows ``h`` and ``h + 8`` share a byte (low and high nibble)."""
+    packed = []
+    for pass_codes in codes:
+        tiles = _pair_tiles(pass_codes, GROUP)
+        packed.append((tiles[:, :, :8] | (tiles[:, :, 8:] << 4)).reshape(*tiles.shape[:2], 256))
+    bias = sum(zero - 8 * scale for zero, scale in zip(zeros, scales))
+    return PackedAmx(torch.stack(packed).contiguous(), torch.stack([_per_block(s) for s in scales]).contiguous(),
+                     _per_block(bias))
+
+
+def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
+    """The AMX layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs (:class:`PackedInt8`)."""
+    tiles = _pair_tiles(codes, 16).reshape(codes.shape[0] // 16, codes.shape[1] // 16, 256)
+    return PackedAmx(tiles.unsqueeze(0).contiguous(), _per_block(scales).unsqueeze(0).contiguous(), torch.empty(0))
+
+
+def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx) -> torch.Tensor:
     """``rows`` (float32 ``[m, in]``) times the packed weight, float32 ``[m, out]``."""
     if isinstance(weight, PackedInt8):
         return kernel.int8_mm(rows, weight.codes, weight.scales)
+    if isinstance(weight, PackedAmx):
+        return kernel.int4_amx_mm(rows, weight.codes, weight.scales, weight.bias)
     return kernel.int4_mm(rows, weight.codes, weight.scales, weight.bias)
 
 
@@ -182,6 +239,50 @@ def _check(module) -> str | None:
     return None
 
 
+def amx_reason() -> str | None:
+    """Why the AMX products (``int4_amx.cpp``) cannot run here — no compiled kernel, a CPU without AMX-BF16, tiles
+    the operating system refuses, wrong products — or ``None`` when they can."""
+    module, reason = compiled_kernel()
+    if module is None:
+        return reason
+    if not module.amx_ready():
+        return "this CPU (or its operating system) offers no AMX-BF16 tiles"
+    return _check_amx(module)
+
+
+@functools.lru_cache(maxsize=None)
+def _check_amx(module) -> str | None:
+    """Why the AMX products are wrong (against float64 with the inputs rounded to bfloat16, as the tiles take them)
+    or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``."""
+    generator = torch.Generator().manual_seed(0)
+    out_features, in_features = 32, 96
+    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+             for _ in range(2)]
+    scales = [torch.rand(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    zeros = [torch.randn(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    signed_scales = torch.rand(out_features, in_features // 16, generator=generator)
+    rows = torch.randn(17, in_features, generator=generator)
+    inputs = rows.bfloat16().double()
+    sums = rows.double().reshape(17, -1, GROUP).sum(-1)
+    four = sum(c.double() * s.double().repeat_interleave(GROUP, 1) for c, s in zip(codes, scales))
+    bias = sum(z.double() - 8 * s.double() for z, s in zip(zeros, scales))
+    eight = signed.double() * signed_scales.double().repeat_interleave(16, 1)
+    cases = ((pack_amx(codes, scales, zeros), inputs @ four.t() + sums @ bias.t()),
+             (pack_amx_int8(signed, signed_scales), inputs @ eight.t()))
+    for packed, expected in cases:
+        try:
+            whole = int4_mm(module, rows, packed)
+            parts = [int4_mm(module, rows[2:3].contiguous(), packed), int4_mm(module, rows[:5].contiguous(), packed)]
+        except RuntimeError as exc:
+            return f"the AMX products fail ({_first_line(exc)})"
+        if not torch.allclose(whole.double(), expected, rtol=1e-4, atol=1e-4):
+            return "the AMX products compute wrong products"
+        if not (torch.equal(parts[0][0], whole[2]) and torch.equal(parts[1], whole[:5])):
+            return "the AMX products' rows depend on the rows beside them"
+    return None
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:160]
 
@@ -223,7 +324,7 @@ def read_choice(path: Path) -> tuple[str, str] | None:
         version = data.get("version")
     except (OSError, ValueError, AttributeError):
         return None
-    return chosen if version == CHOICE_VERSION and all(name in ("compiled", "torch") for name in chosen) else None
+    return chosen if version == CHOICE_VERSION and all(name in KERNELS for name in chosen) else None
 
 
 def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]]

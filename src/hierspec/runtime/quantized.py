@@ -214,11 +214,11 @@ def kernel_reason() -> str | None:
 
 @dataclass(frozen=True)
 class Int4Kernels:
-    """Which kernel multiplies each form of a GGUF weight, ``"compiled"`` or ``"torch"``: ``four_bit`` for ``Q4_0``,
-    ``Q4_1``, ``Q4_K`` (one 4-bit pass) and ``Q8_0`` (two; PyTorch's passes and the compiled 8-bit product stream the
-    same bytes, and on SmolLM2's head the compiled one measured 2.5–4.5 % slower end to end on an Intel Xeon), and
-    ``eight_bit`` for ``Q6_K`` (four passes for PyTorch's kernel, ~2.5 bytes a weight, against the compiled 8-bit
-    product's 1.25)."""
+    """Which kernel multiplies each form of a GGUF weight, ``"compiled"``, ``"torch"`` or ``"amx"``: ``four_bit``
+    for ``Q4_0``, ``Q4_1``, ``Q4_K`` (one 4-bit pass) and ``Q8_0`` (two; PyTorch's passes and the compiled 8-bit
+    product stream the same bytes, and on SmolLM2's head the compiled one measured 2.5–4.5 % slower end to end on an
+    Intel Xeon; the AMX products take it as 8-bit codes), and ``eight_bit`` for ``Q6_K`` (four passes for PyTorch's
+    kernel, ~2.5 bytes a weight, against the 8-bit products' 1.25)."""
 
     four_bit: str
     eight_bit: str
@@ -249,7 +249,8 @@ class Int4Projection:
         #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]`` or PyTorch's ``[packed, table]`` per pass
         self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
-                       else [stack.codes, stack.scales, stack.bias] if isinstance(stack, int4_kernel.PackedInt4)
+                       else [stack.codes, stack.scales, stack.bias]
+                       if isinstance(stack, (int4_kernel.PackedInt4, int4_kernel.PackedAmx))
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
@@ -267,11 +268,16 @@ class Int4Projection:
 def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
     """One stack of members with equal pass counts, in ``kernel``'s layout."""
     depth = len(members[0])
-    if kernel == "compiled" and depth > 1:
+    if kernel in ("compiled", "amx") and depth > 1:
         forms = [as_int8(member) for member in members]
-        return int4_kernel.PackedInt8(torch.cat([codes for codes, _ in forms]).contiguous(),
-                                      torch.cat([scales for _, scales in forms]).contiguous())
+        codes = torch.cat([codes for codes, _ in forms]).contiguous()
+        scales = torch.cat([scales for _, scales in forms]).contiguous()
+        return int4_kernel.pack_amx_int8(codes, scales) if kernel == "amx" else int4_kernel.PackedInt8(codes, scales)
     per_pass = [[passes[i] for passes in members] for i in range(depth)]
+    if kernel == "amx":
+        return int4_kernel.pack_amx([torch.cat([w.codes for w in ws]) for ws in per_pass],
+                                    [torch.cat([w.scales for w in ws]) for ws in per_pass],
+                                    [torch.cat([w.zeros for w in ws]) for ws in per_pass])
     if kernel == "compiled":
         return int4_kernel.pack_passes([torch.cat([w.codes for w in ws]) for ws in per_pass],
                                        [torch.cat([w.scales for w in ws]) for ws in per_pass],
@@ -280,7 +286,7 @@ def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
 
 
 def _product(rows: torch.Tensor, stack) -> torch.Tensor:
-    if isinstance(stack, (int4_kernel.PackedInt4, int4_kernel.PackedInt8)):
+    if isinstance(stack, (int4_kernel.PackedInt4, int4_kernel.PackedInt8, int4_kernel.PackedAmx)):
         module, _ = int4_kernel.compiled_kernel()
         return int4_kernel.int4_mm(module, rows.to(torch.float32).contiguous(), stack)
     return _stack_product(rows.to(KERNEL_DTYPE).contiguous(), stack)
@@ -302,41 +308,41 @@ except AttributeError:  # a PyTorch without it: kernel_reason() says so and the 
 
 
 def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None]:
-    """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"`` or
-    ``"torch"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: either) cannot run here.
+    """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"``,
+    ``"torch"`` or ``"amx"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: every one) cannot run
+    here.
 
-    ``compiled`` and ``torch`` name one kernel for both forms. ``auto`` takes the only one that works, or, when both
-    do, the faster for each form in a short interleaved timing at 1 and 4 rows
-    (:func:`~hierspec.runtime.int4_kernel.choose_kernel`), timed once per machine and thread count and kept in a file
-    beside the compiled kernel.
+    A kernel's name runs both forms on it. ``auto`` takes the only one that works, or, when several do, the faster
+    for each form in a short interleaved timing at 1 and 4 rows (:func:`~hierspec.runtime.int4_kernel.choose_kernel`),
+    timed once per machine and thread count and kept in a file beside the compiled kernel.
     """
     if choice not in int4_kernel.KERNEL_CHOICES:
         raise ValueError(f"unknown int4 kernel {choice!r}: use {', '.join(int4_kernel.KERNEL_CHOICES)}")
-    torch_reason = kernel_reason()
-    compiled_reason = None if choice == "torch" else int4_kernel.compiled_kernel()[1]
-    if choice == "torch":
-        return (None, torch_reason) if torch_reason else (Int4Kernels("torch", "torch"), None)
-    if choice == "compiled":
-        return (None, compiled_reason) if compiled_reason else (Int4Kernels("compiled", "compiled"), None)
-    if compiled_reason and torch_reason:
-        return None, f"{torch_reason}; {compiled_reason}"
-    if compiled_reason or torch_reason:
-        only = "torch" if compiled_reason else "compiled"
-        log.info("int4 products by %s: %s", "PyTorch's kernel" if compiled_reason else "the compiled kernel",
-                 compiled_reason or torch_reason)
-        return Int4Kernels(only, only), None
-    return _timed_choice(torch.get_num_threads()), None
+    reasons = {"torch": kernel_reason, "compiled": lambda: int4_kernel.compiled_kernel()[1],
+               "amx": int4_kernel.amx_reason}
+    if choice != "auto":
+        reason = reasons[choice]()
+        return (None, reason) if reason else (Int4Kernels(choice, choice), None)
+    found = {name: reasons[name]() for name in int4_kernel.KERNELS}
+    working = tuple(name for name, reason in found.items() if reason is None)
+    if not working:
+        return None, "; ".join(dict.fromkeys(found.values()))
+    if len(working) == 1:
+        log.info("int4 products by the %s kernel: %s", working[0],
+                 "; ".join(dict.fromkeys(reason for reason in found.values() if reason)))
+        return Int4Kernels(working[0], working[0]), None
+    return _timed_choice(torch.get_num_threads(), working), None
 
 
 @functools.lru_cache(maxsize=None)
-def _timed_choice(threads: int) -> Int4Kernels:
-    """The faster kernel for each weight form here: read from the choice file beside the compiled kernel (one per
-    thread count), or timed and written there, so that every process on this machine runs the same model (a fresh
-    timing could flip between two close kernels and, with it, the last bits of every product). The 8-bit form is
-    timed as a ``Q6_K`` weight (four passes for PyTorch's kernel)."""
+def _timed_choice(threads: int, candidates: tuple[str, ...] = ("torch", "compiled")) -> Int4Kernels:
+    """The faster of ``candidates`` for each weight form here: read from the choice file beside the compiled kernel
+    (one per thread count), or timed and written there, so that every process on this machine runs the same model
+    (a fresh timing could flip between two close kernels and, with it, the last bits of every product). The 8-bit
+    form is timed as a ``Q6_K`` weight (four passes for PyTorch's kernel)."""
     path = int4_kernel.choice_path(threads)
     kept = int4_kernel.read_choice(path)
-    if kept is not None:
+    if kept is not None and all(name in candidates for name in kept):
         return Int4Kernels(*kept)
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = int4_kernel.CHOICE_SHAPE
@@ -345,7 +351,7 @@ def _timed_choice(threads: int) -> Int4Kernels:
                          torch.rand(out_features, in_features // GROUP, generator=generator)) for _ in range(4)]
     timings, chosen = {}, {}
     for form, weight in (("four_bit", passes[:1]), ("eight_bit", passes)):
-        projections = {name: Int4Projection([weight], [None], kernel=name) for name in ("torch", "compiled")}
+        projections = {name: Int4Projection([weight], [None], kernel=name) for name in candidates}
         timings[form] = int4_kernel.time_kernels(projections, in_features)
         chosen[form] = int4_kernel.choose_kernel(timings[form])
         log.info("int4 path, %s weights: the %s kernel (ms at %s rows: %s)", form.replace("_", "-"), chosen[form],
