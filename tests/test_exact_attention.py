@@ -1,6 +1,7 @@
 """Exact tree attention (``--attention exact``): every row of any tree bit-identical to the same token verified at
 the end of a chain, i.e. in plain decoding, at any depth; close to PyTorch's attention."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,7 @@ from hierspec.drafters import PromptLookupDrafter
 from hierspec.drafters.base import NoDrafter
 from hierspec.errors import InputError
 from hierspec.runtime import RuntimeConfig
-from hierspec.runtime.exact_attention import ExactPlan, exact_attention
+from hierspec.runtime.exact_attention import ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 from tiny import assert_tree_rows_equal_chains, make_model, make_tokenizer
@@ -164,3 +165,26 @@ def test_keys_are_read_in_place_from_a_cache_buffer_with_the_same_result_as_a_co
     scores = (query.view(KV_HEADS, 3, 5, DIM) @ view[0, :, None].transpose(-1, -2)) * 0.125
     reference = torch.softmax(scores.masked_fill(~mask, -torch.inf), -1) @ view[0, :, None]
     torch.testing.assert_close(in_place, reference.permute(2, 0, 1, 3).reshape(5, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone():
+    """Sequences in slots of one ``[slots, kv_heads, capacity, d]`` buffer (a slot pool's layer) attended by one
+    :func:`exact_attention_blocks` call: every row bit-equal to its own sequence's :func:`exact_attention`."""
+    gen = torch.Generator().manual_seed(11)
+    slots, capacity = 4, 700
+    pool_k, pool_v = (torch.randn(slots, KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
+    plans, queries, alone, used = [], [], [], [0, 1, 3]  # slot 2 holds another sequence's keys, never read
+    for slot in used:
+        past, rows = int(torch.randint(1, 600, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        mask = torch.zeros(rows, capacity, dtype=torch.bool)
+        mask[:, :past] = True
+        mask[:, past : past + rows] = torch.tril(torch.rand(rows, rows, generator=gen) < 0.6) | torch.eye(
+            rows, dtype=torch.bool)
+        query = torch.randn(1, HEADS, rows, DIM, generator=gen)
+        plans.append(ExactPlan(mask))
+        queries.append(query)
+        alone.append(exact_attention(query, pool_k[slot : slot + 1], pool_v[slot : slot + 1], plans[-1], 0.125))
+    blocks = np.concatenate([np.full(q.shape[2], slot * KV_HEADS, dtype=np.int64) for slot, q in zip(used, queries)])
+    together = exact_attention_blocks(torch.cat(queries, dim=2), pool_k.flatten(0, 1), pool_v.flatten(0, 1),
+                                      ExactPlan.concatenate(plans), blocks, KV_HEADS, 0.125)
+    assert torch.equal(together, torch.cat(alone))

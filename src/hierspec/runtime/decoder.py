@@ -20,17 +20,19 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hierspec.runtime import int4_kernel
 from hierspec.runtime.attention import additive_mask, tree_attention
-from hierspec.runtime.exact_attention import ExactPlan, exact_attention
+from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Kernels, Int4Projection, Int4Weight
-from hierspec.runtime.slots import SlotBatch, finish_slot_batch, plan_slot_batch, slot_attention
+from hierspec.runtime.slots import (SlotBatch, SlotWrites, finish_slot_batch, plan_slot_batch, plan_slot_writes,
+                                    slot_attention, write_slot_rows)
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +171,15 @@ class LlamaFamilyDecoder:
         own forward runs, so (the products being row-invariant) each row's result is the same as alone. When every
         cache is a slot of one :class:`~hierspec.runtime.slots.SlotPool`, each layer's attention is one call for
         all sequences (:func:`~hierspec.runtime.slots.slot_attention`), with the same results; with ``exact``,
-        attention is :func:`~hierspec.runtime.exact_attention.exact_attention` per sequence."""
+        attention is :func:`~hierspec.runtime.exact_attention.exact_attention` per sequence, or one call of
+        :func:`~hierspec.runtime.exact_attention.exact_attention_blocks` per layer over such a pool."""
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
         slots = None if exact else self._slot_batch(segments)
         plans = [ExactPlan(s.mask[0, 0, : s.stop - s.start]) for s in segments] if exact else None
+        pooled = self._exact_pool(segments, plans) if exact else None
+        if pooled is not None:
+            slots, plans = pooled
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
         segments = [] if slots is not None else segments if exact else [
             Segment(s.start, s.stop, additive_mask(s.mask, self.embedding.dtype), s.cache) for s in segments]
@@ -197,13 +203,33 @@ class LlamaFamilyDecoder:
         return plan_slot_batch([s.cache for s in segments], [(s.start, s.stop) for s in segments],
                                [s.mask for s in segments], self.heads // self.kv_heads, self.embedding.dtype)
 
+    def _exact_pool(self, segments: Sequence[Segment], plans: Sequence[ExactPlan]
+                    ) -> tuple[SlotWrites, tuple[ExactPlan, np.ndarray]] | None:
+        """Where every sequence's cache is a slot of one allocated pool: the rows' key writes, and one exact plan
+        over the pool's layer viewed as ``[slots * kv_heads, capacity, d]`` (each row's blocks from its slot's).
+        ``None`` for caches elsewhere or of a dtype the kernel does not read directly (attended per sequence)."""
+        pool = getattr(segments[0].cache, "pool", None)
+        if len(segments) < 2 or pool is None or not pool.keys or pool.keys[0].dtype not in NATIVE_DTYPES or any(
+                getattr(s.cache, "pool", None) is not pool for s in segments):
+            return None
+        writes = plan_slot_writes([s.cache for s in segments], [(s.start, s.stop) for s in segments])
+        blocks = writes.slot_index.numpy() * self.kv_heads
+        return writes, (ExactPlan.concatenate(plans), blocks)
+
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               segments: Sequence[Segment], rows: int, slots: SlotBatch | None = None,
-               plans: Sequence[ExactPlan] | None = None) -> torch.Tensor:
+               segments: Sequence[Segment], rows: int, slots: SlotBatch | SlotWrites | None = None,
+               plans: Sequence[ExactPlan] | tuple[ExactPlan, np.ndarray] | None = None) -> torch.Tensor:
         if self._fused is not None:
             query, key, value = self._fused.attention_inputs(layer, hidden, cos, sin)
         else:
             query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
+        if isinstance(slots, SlotWrites):
+            write_slot_rows(slots, index, key, value)
+            plan, blocks = plans
+            pool = slots.pool
+            keys, values = (buffer[index].flatten(0, 1) for buffer in (pool.keys, pool.values))
+            return self._mlp(layer, hidden, exact_attention_blocks(query, keys, values, plan, blocks, self.kv_heads,
+                                                                   self.scaling))
         if slots is not None:
             return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
         parts = []

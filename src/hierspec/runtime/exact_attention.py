@@ -24,6 +24,8 @@ from a typed zero (a start read from an array kept them scalar), keys scored and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from numba import njit
@@ -49,22 +51,46 @@ class ExactPlan:
         np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
         self.indices = np.nonzero(allowed)[1].astype(np.int64)
 
+    @classmethod
+    def concatenate(cls, plans: Sequence[ExactPlan]) -> ExactPlan:
+        """One plan of every row of ``plans``, in order (each row's slots unchanged)."""
+        plan = cls.__new__(cls)
+        counts = np.concatenate([np.diff(p.indptr) for p in plans])
+        plan.indptr = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts, out=plan.indptr[1:])
+        plan.indices = np.concatenate([p.indices for p in plans])
+        return plan
+
 
 def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: ExactPlan,
                     scale: float) -> torch.Tensor:
     """``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, width, d]`` (views of a cache) →
     ``[rows, heads * d]``, query head ``j`` reading key/value head ``j // (heads / kv_heads)``."""
-    _, heads, rows, dim = query.shape
-    kv_heads = key.shape[1]
-    dtype = query.dtype
-    work = dtype if dtype in NATIVE_DTYPES else torch.float32
-    queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
+    work = _work_dtype(query.dtype)
     keys, values = _rows_of(key[0], work), _rows_of(value[0], work)
+    return exact_attention_blocks(query, keys, values, plan, np.zeros(query.shape[2], dtype=np.int64), key.shape[1],
+                                  scale)
+
+
+def exact_attention_blocks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: ExactPlan,
+                           blocks: np.ndarray, kv_heads: int, scale: float) -> torch.Tensor:
+    """Like :func:`exact_attention`, with the keys and values of several sequences in one C-contiguous ``[blocks,
+    slots, d]`` buffer each (a :class:`~hierspec.runtime.slots.SlotPool` layer viewed as ``[sequences * kv_heads,
+    capacity, d]``): row ``r`` of key/value head ``h`` reads block ``blocks[r] + h``, at the slots its plan names.
+    The same arithmetic per row as alone: a batch of sequences costs one call per layer instead of one each (a
+    call's Python overhead is about as much as one row's attention over a few hundred keys)."""
+    _, heads, rows, dim = query.shape
+    work = _work_dtype(query.dtype)
+    queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
     out = torch.empty((rows, kv_heads, heads // kv_heads, dim), dtype=work)
     rows_in = queries.numpy()
-    attend_rows(rows_in, keys.numpy(), values.numpy(), plan.indptr, plan.indices, rows_in.dtype.type(scale),
+    attend_rows(rows_in, keys.numpy(), values.numpy(), plan.indptr, plan.indices, blocks, rows_in.dtype.type(scale),
                 out.numpy())
-    return out.view(rows, heads * dim).to(dtype)
+    return out.view(rows, heads * dim).to(query.dtype)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in NATIVE_DTYPES else torch.float32
 
 
 def _rows_of(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,8 +135,9 @@ def _exp_shifted(line, top, out, exponents, powers):  # pragma: no cover - compi
 
 
 @njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
-def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no cover - compiled
-    """``out[r, h, g] = softmax(scale * query[r, h, g] · keys[h, s]) · values[h, s]`` over row ``r``'s slots ``s``.
+def attend_rows(query, keys, values, indptr, indices, blocks, scale, out):  # pragma: no cover - compiled
+    """``out[r, h, g] = softmax(scale * query[r, h, g] · keys[b, s]) · values[b, s]`` over row ``r``'s slots ``s``,
+    ``b = blocks[r] + h``.
 
     One task per (row, key/value head); its arithmetic reads nothing of other rows, and every loop runs over the
     row's own key sequence (its length and order are the same alone, in a chain or in any tree), so rows in other
@@ -118,7 +145,8 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
     the loop lengths alone. Scores go to a scratch row per query head, are exponentiated (float32: the vectorised
     :func:`_exp_shifted`; float64: ``np.exp``), weight the values into an accumulator, and the sum is divided by
     the softmax's total once per output element. Single-threaded: numba's parallel threads (its OpenMP layer) hang
-    a process forked after them (the store builders' fault tests fork).
+    a process forked after them (the store builders' fault tests fork), and two Python threads sharing the tasks
+    measured slower (PyTorch's OpenMP threads still spin on the second core after each product).
     """
     rows, kv_heads, groups, dim = query.shape
     width = keys.shape[1]
@@ -134,6 +162,7 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
     for task in range(rows * kv_heads):
         row = task // kv_heads
         head = task - row * kv_heads
+        block = blocks[row] + head
         start = indptr[row]
         count = indptr[row + 1] - start
         # keys four at a time (the query element read once for four products), then the rest one by one: which
@@ -145,10 +174,10 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
                 t0 = t1 = t2 = t3 = zero
                 for d in range(dim):
                     q = query[row, head, g, d]
-                    t0 += q * keys[head, s0, d]
-                    t1 += q * keys[head, s1, d]
-                    t2 += q * keys[head, s2, d]
-                    t3 += q * keys[head, s3, d]
+                    t0 += q * keys[block, s0, d]
+                    t1 += q * keys[block, s1, d]
+                    t2 += q * keys[block, s2, d]
+                    t3 += q * keys[block, s3, d]
                 scores[g, j], scores[g, j + 1] = t0 * scale, t1 * scale
                 scores[g, j + 2], scores[g, j + 3] = t2 * scale, t3 * scale
         for j in range(whole, count):
@@ -156,7 +185,7 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
             for g in range(groups):
                 total = zero
                 for d in range(dim):
-                    total += query[row, head, g, d] * keys[head, slot, d]
+                    total += query[row, head, g, d] * keys[block, slot, d]
                 scores[g, j] = total * scale
         for g in range(groups):
             line = scores[g, :count]
@@ -179,14 +208,14 @@ def attend_rows(query, keys, values, indptr, indices, scale, out):  # pragma: no
             for g in range(groups):
                 w0, w1, w2, w3 = scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3]
                 for d in range(dim):
-                    result[g, d] += (w0 * values[head, s0, d] + w1 * values[head, s1, d]) + (
-                        w2 * values[head, s2, d] + w3 * values[head, s3, d])
+                    result[g, d] += (w0 * values[block, s0, d] + w1 * values[block, s1, d]) + (
+                        w2 * values[block, s2, d] + w3 * values[block, s3, d])
         for j in range(whole, count):
             slot = indices[start + j]
             for g in range(groups):
                 weight = scores[g, j]
                 for d in range(dim):
-                    result[g, d] += weight * values[head, slot, d]
+                    result[g, d] += weight * values[block, slot, d]
         for g in range(groups):
             for d in range(dim):
                 out[row, head, g, d] = result[g, d] / totals[g]

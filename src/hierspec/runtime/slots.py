@@ -166,15 +166,49 @@ def plan_slot_batch(caches: Sequence[SlotCache], bounds: Sequence[tuple[int, int
                      scatter.to(device), per_slot, additive, tuple(ends))
 
 
+@dataclass(frozen=True)
+class SlotWrites:
+    """Where each row of a batched forward writes its keys and values in the pool (as :class:`SlotBatch` says it,
+    for attention that reads the pool itself: :func:`~hierspec.runtime.exact_attention.exact_attention_blocks`)."""
+
+    pool: SlotPool
+    slot_index: torch.Tensor
+    position_index: torch.Tensor
+    ends: tuple[tuple[SlotCache, int], ...]
+
+
+def plan_slot_writes(caches: Sequence[SlotCache], bounds: Sequence[tuple[int, int]]) -> SlotWrites:
+    """The :class:`SlotWrites` of sequences ``caches`` whose rows are ``bounds[i] = (start, stop)`` of the forward;
+    the pool grows to hold them."""
+    pool = caches[0].pool
+    rows = bounds[-1][1]
+    slot_index = torch.empty(rows, dtype=torch.long)
+    position_index = torch.empty(rows, dtype=torch.long)
+    ends = []
+    for cache, (start, stop) in zip(caches, bounds):
+        past = cache.get_seq_length()
+        slot_index[start:stop] = cache.slot
+        position_index[start:stop] = torch.arange(past, past + stop - start)
+        ends.append((cache, past + stop - start))
+    pool.grow(max(end for _, end in ends))
+    return SlotWrites(pool, slot_index, position_index, tuple(ends))
+
+
+def write_slot_rows(writes: SlotWrites | SlotBatch, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Layer ``index``'s keys and values ``[1, kv_heads, rows, d]`` into the pool, one indexed copy each."""
+    keys, values = writes.pool.keys[index], writes.pool.values[index]
+    # keys[slot_r, :, position_r] = key[0, :, r] for every row r
+    keys[writes.slot_index, :, writes.position_index] = key[0].transpose(0, 1)
+    values[writes.slot_index, :, writes.position_index] = value[0].transpose(0, 1)
+
+
 def slot_attention(batch: SlotBatch, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    scaling: float) -> torch.Tensor:
     """Layer ``index``'s attention for every row of the batch: ``query [1, heads, rows, d]``, ``key``/``value``
     ``[1, kv_heads, rows, d]`` (written into the pool here) → ``[rows, heads * d]``."""
     pool = batch.pool
     keys, values = pool.keys[index], pool.values[index]
-    # keys[slot_r, :, position_r] = key[0, :, r] for every row r, in one indexed copy
-    keys[batch.slot_index, :, batch.position_index] = key[0].transpose(0, 1)
-    values[batch.slot_index, :, batch.position_index] = value[0].transpose(0, 1)
+    write_slot_rows(batch, index, key, value)
     heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -193,7 +227,7 @@ def slot_attention(batch: SlotBatch, index: int, query: torch.Tensor, key: torch
     return out.index_select(0, batch.scatter)
 
 
-def finish_slot_batch(batch: SlotBatch) -> None:
+def finish_slot_batch(batch: SlotBatch | SlotWrites) -> None:
     """Every sequence's layers hold the rows the forward wrote."""
     for cache, end in batch.ends:
         for layer in cache.layers:
