@@ -133,11 +133,9 @@ struct Operands {
   }
 };
 
-// acc[j] += scale * (rows r0.. of group g times one decoded tile), on tile set S
+// product = rows r0.. of group g times one decoded tile, on tile set S
 template <int S, class Form>
-inline void multiply(const Operands& o, const uint16_t* tile, int64_t g, int64_t r0, int64_t count,
-                     const float* scale, __m512* acc) {
-  alignas(64) float product[16][16];
+inline void tile_product(const Operands& o, const uint16_t* tile, int64_t g, int64_t r0, float (*product)[16]) {
   const uint16_t* inputs = o.inputs + r0 * o.k + g * Form::kInputs;
   // the tile intrinsics take their tile numbers as literals
   if constexpr (S == 0) {
@@ -153,30 +151,37 @@ inline void multiply(const Operands& o, const uint16_t* tile, int64_t g, int64_t
     _tile_dpbf16ps(1, 3, 5);
     _tile_stored(1, product, 64);
   }
-  const __m512 s = _mm512_loadu_ps(scale);
-  for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(product[j]), s, acc[j]);
 }
 
-inline void add_bias(const Operands& o, int64_t block, int64_t g, int64_t r0, int64_t count, __m512* acc) {
+// acc[j] += scale * product[j], then for a group's last pass its bias times the rows' sums
+inline void accumulate(const Operands& o, const float (*product)[16], int64_t block, int64_t i, int64_t r0,
+                       int64_t count, __m512* acc) {
+  const int64_t g = i / o.passes, p = i % o.passes;
+  const __m512 s = _mm512_loadu_ps(o.scale_of(p, block, g));
+  for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(product[j]), s, acc[j]);
+  if (o.bias == nullptr || p != o.passes - 1) return;
   const __m512 bias = _mm512_loadu_ps(o.bias + (block * o.groups + g) * kBlock);
   for (int64_t j = 0; j < count; ++j)
     acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(o.xsum[(r0 + j) * o.groups + g]), bias, acc[j]);
 }
 
 // Rows r0 .. r0 + count of one output block, step i (group i / P, pass i % P) reading its decoded tile from
-// tile_of(i) after decode_ahead(i) had its chance to decode tiles ahead: the same operations per row on every path.
+// tile_of(i) after decode_ahead(i) had its chance to decode tiles ahead. Step i's stored product is read back
+// while step i + 1's tiles are multiplied (a tile store reaches ordinary loads late), every row adding the steps
+// in order: the same operations per row on every path.
 template <class Form, class TileOf, class DecodeAhead>
 void block_rows(const Operands& o, int64_t block, int64_t r0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
+  alignas(64) float products[2][16][16];
   __m512 acc[kTileRows];
   for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
   const int64_t steps = o.groups * o.passes;
   for (int64_t i = 0; i < steps; ++i) {
     decode_ahead(i);
-    const int64_t g = i / o.passes, p = i % o.passes;
-    if (i & 1) multiply<1, Form>(o, tile_of(i), g, r0, count, o.scale_of(p, block, g), acc);
-    else multiply<0, Form>(o, tile_of(i), g, r0, count, o.scale_of(p, block, g), acc);
-    if (o.bias != nullptr && p == o.passes - 1) add_bias(o, block, g, r0, count, acc);
+    if (i & 1) tile_product<1, Form>(o, tile_of(i), i / o.passes, r0, products[1]);
+    else tile_product<0, Form>(o, tile_of(i), i / o.passes, r0, products[0]);
+    if (i > 0) accumulate(o, products[(i - 1) & 1], block, i - 1, r0, count, acc);
   }
+  accumulate(o, products[(steps - 1) & 1], block, steps - 1, r0, count, acc);
   for (int64_t j = 0; j < count; ++j) _mm512_storeu_ps(o.out + (r0 + j) * o.n + block * kBlock, acc[j]);
 }
 
