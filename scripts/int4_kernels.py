@@ -1,11 +1,16 @@
-"""The int4 path's two product kernels, and its compiled layer halves, measured on this machine.
+"""The int4 path's product kernels, and its compiled layer halves, measured on this machine.
 
-    python scripts/int4_kernels.py products [--shapes smollm2]   # each kernel on one forward's weight shapes
+    python scripts/int4_kernels.py products      # each kernel on one SmolLM2 forward's weight shapes, shape by shape
+    python scripts/int4_kernels.py forward [--model M] [--rounds 7]   # a real file's projections, in forward order
+    python scripts/int4_kernels.py curves [--model M] [--rounds 3]    # whole verification forwards per kernel
     python scripts/int4_kernels.py halves [--model M] [--int4-kernel torch] [--rounds 4]
 
-``products`` times hierspec's compiled kernel and PyTorch's on the shapes of one SmolLM2-135M forward (30 layers'
-q/k/v, output, gate/up and down products and the two-pass Q8_0 head) at 1–16 rows, each shape alone (median of
-many calls), and prints their sum per forward. Run it with ``ATEN_CPU_CAPABILITY=avx2`` to time PyTorch's AVX2
+``products`` times every kernel that runs here (PyTorch's, hierspec's compiled one, the AMX one) on the shapes of
+one SmolLM2-135M forward (30 layers' q/k/v, output, gate/up and down products and the two-pass Q8_0 head) at 1–16
+rows, each shape alone (median of many calls: its weights stay in cache), and prints their sum per forward.
+``forward`` loads the model once per kernel and times all its projections in the order of a forward (the weights
+stream from memory as they do in decoding), kernels interleaved. ``curves`` measures each kernel's verification cost
+curve (1–32 tokens), interleaved over ``--rounds``. Run it with ``ATEN_CPU_CAPABILITY=avx2`` to time PyTorch's AVX2
 kernels; the compiled kernel then still uses this CPU's widest instructions (BENCHMARKS.md shows an AVX2 build of
 it beside them). ``halves`` loads the model twice — one decoder with its compiled layer halves, one running
 operation by operation — and prints both verification cost curves, interleaved over ``--rounds``.
@@ -42,8 +47,13 @@ def _median_seconds(call, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _kernels() -> list[str]:
+    """The kernels that run here."""
+    return [name for name in ("torch", "compiled", "amx") if q.resolve_kernel(name)[0] is not None]
+
+
 def products() -> None:
-    totals = {kernel: [0.0] * len(ROWS) for kernel in ("compiled", "torch")}
+    totals = {kernel: [0.0] * len(ROWS) for kernel in _kernels()}
     generator = torch.Generator().manual_seed(0)
     for name, (out_features, in_features, passes, calls) in SMOLLM2.items():
         weight = [q.Int4Weight(torch.randint(0, 16, (out_features, in_features), generator=generator,
@@ -59,11 +69,56 @@ def products() -> None:
                      for kernel, p in projections.items()}
             for kernel, seconds in times.items():
                 totals[kernel][i] += seconds * calls
-            cells.append(f"{rows}: {times['compiled'] * 1e6:.0f}/{times['torch'] * 1e6:.0f}")
-        print(f"{name:8s} µs compiled/torch  " + "  ".join(cells))
+            cells.append(f"{rows}: " + "/".join(f"{times[kernel] * 1e6:.0f}" for kernel in totals))
+        print(f"{name:8s} µs {'/'.join(totals)}  " + "  ".join(cells))
     print("per forward, ms at " + "/".join(map(str, ROWS)) + " rows:")
     for kernel, sums in totals.items():
         print(f"  {kernel:8s} " + " / ".join(f"{s * 1e3:.2f}" for s in sums))
+
+
+def _projections(decoder) -> list[tuple[object, int]]:
+    """Every projection of one forward with its input width, in forward order."""
+    width = decoder.embedding.shape[1]
+    order = []
+    for layer in decoder.layers:
+        order += [(layer.qkv, width), (layer.out, decoder.heads * decoder.head_dim), (layer.gate_up, width),
+                  (layer.down, layer.gate_up.widths[0])]
+    return order + [(decoder.lm_head, width)]
+
+
+def forward(model: str | None, rounds: int) -> None:
+    decoders = {kernel: load_model(config=ModelConfig(spec=model, threads=torch.get_num_threads(), int4_kernel=kernel)
+                                   ).runtime.decoder for kernel in _kernels()}
+    print("one forward's products, ms at " + "/".join(map(str, ROWS)) + " rows:")
+    results = {kernel: [] for kernel in decoders}
+    with torch.inference_mode():
+        for rows in ROWS:
+            plans = {kernel: [(p, torch.randn(rows, width)) for p, width in _projections(d)]
+                     for kernel, d in decoders.items()}
+            samples = {kernel: [] for kernel in decoders}
+            for _ in range(rounds):
+                for kernel, plan in plans.items():
+                    start = time.perf_counter()
+                    for projection, x in plan:
+                        projection(x)
+                    samples[kernel].append(time.perf_counter() - start)
+            for kernel in decoders:
+                results[kernel].append(statistics.median(samples[kernel]))
+    for kernel, times in results.items():
+        print(f"  {kernel:8s} " + " / ".join(f"{t * 1e3:.2f}" for t in times))
+
+
+def curves(model: str | None, rounds: int) -> None:
+    sizes = ROWS + (32,)
+    targets = {kernel: load_model(config=ModelConfig(spec=model, threads=torch.get_num_threads(), int4_kernel=kernel))
+               for kernel in _kernels()}
+    measured = {kernel: [] for kernel in targets}
+    for _ in range(rounds):
+        for kernel, target in targets.items():
+            measured[kernel].append(measure_cost_curve(target, sizes, repeats=5, desc=kernel))
+    for kernel in targets:
+        medians = [statistics.median(c.ms[i] for c in measured[kernel]) for i in range(len(sizes))]
+        print(f"{kernel:8s} ms at {'/'.join(map(str, sizes))} tokens: " + " / ".join(f"{m:.2f}" for m in medians))
 
 
 def halves(model: str | None, kernel: str, rounds: int) -> None:
@@ -83,18 +138,22 @@ def halves(model: str | None, kernel: str, rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["products", "halves"])
+    parser.add_argument("what", choices=["products", "forward", "curves", "halves"])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch"])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch", "amx"])
+    parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_info().describe(), f"torch kernels {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
     if args.what == "products":
         products()
+    elif args.what == "forward":
+        forward(args.model, args.rounds or 7)
+    elif args.what == "curves":
+        curves(args.model, args.rounds or 3)
     else:
-        halves(args.model, args.int4_kernel, args.rounds)
+        halves(args.model, args.int4_kernel, args.rounds or 4)
 
 
 if __name__ == "__main__":
