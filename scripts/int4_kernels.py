@@ -112,13 +112,18 @@ def curves(model: str | None, rounds: int) -> None:
     sizes = ROWS + (32,)
     targets = {kernel: load_model(config=ModelConfig(spec=model, threads=torch.get_num_threads(), int4_kernel=kernel))
                for kernel in _kernels()}
-    measured = {kernel: [] for kernel in targets}
+    _print_curves(targets, sizes, rounds)
+
+
+def _print_curves(targets: dict, sizes: tuple[int, ...], rounds: int) -> None:
+    """Each target's verification cost curve, measured interleaved over ``rounds``, medians printed."""
+    measured = {name: [] for name in targets}
     for _ in range(rounds):
-        for kernel, target in targets.items():
-            measured[kernel].append(measure_cost_curve(target, sizes, repeats=5, desc=kernel))
-    for kernel in targets:
-        medians = [statistics.median(c.ms[i] for c in measured[kernel]) for i in range(len(sizes))]
-        print(f"{kernel:8s} ms at {'/'.join(map(str, sizes))} tokens: " + " / ".join(f"{m:.2f}" for m in medians))
+        for name, target in targets.items():
+            measured[name].append(measure_cost_curve(target, sizes, repeats=5, desc=name))
+    for name in targets:
+        medians = [statistics.median(c.ms[i] for c in measured[name]) for i in range(len(sizes))]
+        print(f"{name:8s} ms at {'/'.join(map(str, sizes))} tokens: " + " / ".join(f"{m:.2f}" for m in medians))
 
 
 def halves(model: str | None, kernel: str, rounds: int) -> None:
@@ -127,13 +132,7 @@ def halves(model: str | None, kernel: str, rounds: int) -> None:
     if arms["fused"].runtime.decoder is None or arms["fused"].runtime.decoder._fused is None:
         raise SystemExit("this model does not run the int4 path with the compiled layer halves here")
     arms["unfused"].runtime.decoder._fused = None
-    curves = {name: [] for name in arms}
-    for _ in range(rounds):
-        for name, target in arms.items():
-            curves[name].append(measure_cost_curve(target, ROWS, repeats=5, desc=name))
-    for name in arms:
-        medians = [statistics.median(c.ms[i] for c in curves[name]) for i in range(len(ROWS))]
-        print(f"{name:8s} ms at {'/'.join(map(str, ROWS))} tokens: " + " / ".join(f"{m:.2f}" for m in medians))
+    _print_curves(arms, ROWS, rounds)
 
 
 def main() -> None:

@@ -214,14 +214,21 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(lines))
 
 
+def _random_passes(generator: torch.Generator, out_features: int, in_features: int, passes: int = 2
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Codes, scales and zeros of a random weight of ``passes`` 4-bit passes (the load-time checks' weight)."""
+    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+             for _ in range(passes)]
+    scales = [torch.rand(out_features, in_features // GROUP, generator=generator) for _ in range(passes)]
+    zeros = [torch.randn(out_features, in_features // GROUP, generator=generator) for _ in range(passes)]
+    return codes, scales, zeros
+
+
 def _check(module) -> str | None:
     """Why the kernel's products are wrong (against float64 on a small random weight, 1 and 5 rows), or ``None``."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 24, 96
-    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-             for _ in range(2)]
-    scales = [torch.rand(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
-    zeros = [torch.randn(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    codes, scales, zeros = _random_passes(generator, out_features, in_features)
     rows = torch.randn(5, in_features, generator=generator)
     weight = sum((c.double() - 8) * s.double().repeat_interleave(GROUP, 1) + z.double().repeat_interleave(GROUP, 1)
                  for c, s, z in zip(codes, scales, zeros))
@@ -256,10 +263,7 @@ def _check_amx(module) -> str | None:
     or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 32, 96
-    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-             for _ in range(2)]
-    scales = [torch.rand(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
-    zeros = [torch.randn(out_features, in_features // GROUP, generator=generator) for _ in range(2)]
+    codes, scales, zeros = _random_passes(generator, out_features, in_features)
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator)
     rows = torch.randn(17, in_features, generator=generator)
