@@ -35,7 +35,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch", "amx"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
                             "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows), amx (hierspec's own on "
-                            "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for about the price of one; bfloat16 "
+                            "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for ~1.4x the time of one; bfloat16 "
                             "rows) or auto (the default: the fastest here for each weight form, timed once per "
                             "machine and kept)")
 

@@ -126,7 +126,7 @@ class ModelConfig:
             those that work here for each weight form, timed once per machine and thread count and kept),
             ``"compiled"`` (hierspec's own, built for this CPU; float32 rows), ``"torch"`` (PyTorch's weight-only
             int4 kernel; bfloat16 rows) or ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
-            bfloat16 rows, float32 scales; 16 rows for about the price of one).
+            bfloat16 rows, float32 scales; 16 rows for ~1.4x the time of one).
     """
 
     spec: str | None = None

@@ -1,4 +1,4 @@
-// hierspec's quantized products on AMX tiles (Intel CPUs with AMX-BF16): 16 rows for about the price of one.
+// hierspec's quantized products on AMX tiles (Intel CPUs with AMX-BF16): 16 rows for ~1.4x the time of one.
 //
 // The compiled and PyTorch products cost a vector multiply-add per weight per row, so a forward of 16 rows costs
 // several one-row forwards on two cores. Here the codes of 16 outputs are decoded once to bfloat16 (the codes are
