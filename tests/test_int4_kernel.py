@@ -164,6 +164,15 @@ def test_an_amx_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_
 
 
 @needs_amx
+def test_the_amx_products_of_no_rows_are_empty_as_the_compiled_ones():
+    codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    scales, zeros = torch.ones(32, 2), torch.zeros(32, 2)
+    for packed in (k.pack_amx([codes], [scales], [zeros]), k.pack_amx_int8(codes.to(torch.int8), torch.ones(32, 4)),
+                   k.pack_passes([codes], [scales], [zeros])):
+        assert k.int4_mm(MODULE, torch.zeros(0, 64), packed).shape == (0, 32)
+
+
+@needs_amx
 def test_the_amx_product_refuses_operands_of_the_wrong_shape():
     packed = k.pack_amx([torch.zeros(16, 64, dtype=torch.uint8)], [torch.ones(16, 2)], [torch.zeros(16, 2)])
     with pytest.raises(RuntimeError, match="K must match"):

@@ -272,6 +272,7 @@ torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, co
                                            bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
               "bias: contiguous float32 [N / 16, G, 16] (4-bit codes) or empty (8-bit codes)");
   auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;  // nothing to multiply (and no tile of 0 rows to configure)
 #ifdef HIERSPEC_AMX
   const int64_t tile_rows = std::min<int64_t>(rows, kTileRows);
   const int64_t padded = (rows + tile_rows - 1) / tile_rows * tile_rows;
