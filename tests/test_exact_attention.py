@@ -186,5 +186,5 @@ def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone():
         alone.append(exact_attention(query, pool_k[slot : slot + 1], pool_v[slot : slot + 1], plans[-1], 0.125))
     blocks = np.concatenate([np.full(q.shape[2], slot * KV_HEADS, dtype=np.int64) for slot, q in zip(used, queries)])
     together = exact_attention_blocks(torch.cat(queries, dim=2), pool_k.flatten(0, 1), pool_v.flatten(0, 1),
-                                      ExactPlan.concatenate(plans), blocks, KV_HEADS, 0.125)
+                                      ExactPlan.concatenate(plans, blocks), KV_HEADS, 0.125)
     assert torch.equal(together, torch.cat(alone))

@@ -20,7 +20,6 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +30,8 @@ from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_att
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
 from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.quantized import Int4Kernels, Int4Projection, Int4Weight
-from hierspec.runtime.slots import (SlotBatch, SlotWrites, finish_slot_batch, plan_slot_batch, plan_slot_writes,
-                                    slot_attention, write_slot_rows)
+from hierspec.runtime.slots import (SlotBatch, SlotPool, SlotWrites, finish_slot_batch, plan_slot_batch,
+                                    plan_slot_writes, slot_attention, write_slot_rows)
 
 log = logging.getLogger(__name__)
 
@@ -194,41 +193,44 @@ class LlamaFamilyDecoder:
         logits = self.lm_head(last)[0] if want_logits else None
         return logits, (last if want_hidden else None)
 
-    def _slot_batch(self, segments: Sequence[Segment]) -> SlotBatch | None:
-        """The plan of one attention call per layer when every sequence's cache is a slot of one allocated pool."""
+    @staticmethod
+    def _shared_pool(segments: Sequence[Segment]) -> SlotPool | None:
+        """The allocated pool every sequence's cache is a slot of (two sequences or more), or ``None``."""
         pool = getattr(segments[0].cache, "pool", None)
         if len(segments) < 2 or pool is None or not pool.keys or any(
                 getattr(s.cache, "pool", None) is not pool for s in segments):
+            return None
+        return pool
+
+    def _slot_batch(self, segments: Sequence[Segment]) -> SlotBatch | None:
+        """The plan of one attention call per layer when every sequence's cache is a slot of one allocated pool."""
+        if self._shared_pool(segments) is None:
             return None
         return plan_slot_batch([s.cache for s in segments], [(s.start, s.stop) for s in segments],
                                [s.mask for s in segments], self.heads // self.kv_heads, self.embedding.dtype)
 
     def _exact_pool(self, segments: Sequence[Segment], plans: Sequence[ExactPlan]
-                    ) -> tuple[SlotWrites, tuple[ExactPlan, np.ndarray]] | None:
+                    ) -> tuple[SlotWrites, ExactPlan] | None:
         """Where every sequence's cache is a slot of one allocated pool: the rows' key writes, and one exact plan
         over the pool's layer viewed as ``[slots * kv_heads, capacity, d]`` (each row's blocks from its slot's).
         ``None`` for caches elsewhere or of a dtype the kernel does not read directly (attended per sequence)."""
-        pool = getattr(segments[0].cache, "pool", None)
-        if len(segments) < 2 or pool is None or not pool.keys or pool.keys[0].dtype not in NATIVE_DTYPES or any(
-                getattr(s.cache, "pool", None) is not pool for s in segments):
+        pool = self._shared_pool(segments)
+        if pool is None or pool.keys[0].dtype not in NATIVE_DTYPES:
             return None
         writes = plan_slot_writes([s.cache for s in segments], [(s.start, s.stop) for s in segments])
-        blocks = writes.slot_index.numpy() * self.kv_heads
-        return writes, (ExactPlan.concatenate(plans), blocks)
+        return writes, ExactPlan.concatenate(plans, writes.slot_index.numpy() * self.kv_heads)
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment], rows: int, slots: SlotBatch | SlotWrites | None = None,
-               plans: Sequence[ExactPlan] | tuple[ExactPlan, np.ndarray] | None = None) -> torch.Tensor:
+               plans: Sequence[ExactPlan] | ExactPlan | None = None) -> torch.Tensor:
         if self._fused is not None:
             query, key, value = self._fused.attention_inputs(layer, hidden, cos, sin)
         else:
             query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
         if isinstance(slots, SlotWrites):
             write_slot_rows(slots, index, key, value)
-            plan, blocks = plans
-            pool = slots.pool
-            keys, values = (buffer[index].flatten(0, 1) for buffer in (pool.keys, pool.values))
-            return self._mlp(layer, hidden, exact_attention_blocks(query, keys, values, plan, blocks, self.kv_heads,
+            keys, values = (buffer[index].flatten(0, 1) for buffer in (slots.pool.keys, slots.pool.values))
+            return self._mlp(layer, hidden, exact_attention_blocks(query, keys, values, plans, self.kv_heads,
                                                                    self.scaling))
         if slots is not None:
             return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))

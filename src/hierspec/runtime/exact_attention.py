@@ -41,6 +41,8 @@ class ExactPlan:
     Attributes:
         indptr: ``[rows + 1]`` int64, row ``r``'s slots are ``indices[indptr[r]:indptr[r + 1]]``.
         indices: int64 attended slots, ascending within each row (a tree's path order).
+        blocks: ``[rows]`` int64, the first key/value block each row reads (0: one sequence's ``[kv_heads, width,
+            d]``; in a pool of sequences, its slot's — see :func:`exact_attention_blocks`).
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
@@ -50,15 +52,17 @@ class ExactPlan:
         self.indptr = np.zeros(allowed.shape[0] + 1, dtype=np.int64)
         np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
         self.indices = np.nonzero(allowed)[1].astype(np.int64)
+        self.blocks = np.zeros(allowed.shape[0], dtype=np.int64)
 
     @classmethod
-    def concatenate(cls, plans: Sequence[ExactPlan]) -> ExactPlan:
-        """One plan of every row of ``plans``, in order (each row's slots unchanged)."""
+    def concatenate(cls, plans: Sequence[ExactPlan], blocks: np.ndarray) -> ExactPlan:
+        """One plan of every row of ``plans``, in order (each row's slots unchanged), its rows reading ``blocks``."""
         plan = cls.__new__(cls)
         counts = np.concatenate([np.diff(p.indptr) for p in plans])
         plan.indptr = np.zeros(counts.shape[0] + 1, dtype=np.int64)
         np.cumsum(counts, out=plan.indptr[1:])
         plan.indices = np.concatenate([p.indices for p in plans])
+        plan.blocks = np.ascontiguousarray(blocks, dtype=np.int64)
         return plan
 
 
@@ -68,15 +72,15 @@ def exact_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``[rows, heads * d]``, query head ``j`` reading key/value head ``j // (heads / kv_heads)``."""
     work = _work_dtype(query.dtype)
     keys, values = _rows_of(key[0], work), _rows_of(value[0], work)
-    return exact_attention_blocks(query, keys, values, plan, np.zeros(query.shape[2], dtype=np.int64), key.shape[1],
-                                  scale)
+    return exact_attention_blocks(query, keys, values, plan, key.shape[1], scale)
 
 
 def exact_attention_blocks(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: ExactPlan,
-                           blocks: np.ndarray, kv_heads: int, scale: float) -> torch.Tensor:
+                           kv_heads: int, scale: float) -> torch.Tensor:
     """Like :func:`exact_attention`, with the keys and values of several sequences in one C-contiguous ``[blocks,
     slots, d]`` buffer each (a :class:`~hierspec.runtime.slots.SlotPool` layer viewed as ``[sequences * kv_heads,
-    capacity, d]``): row ``r`` of key/value head ``h`` reads block ``blocks[r] + h``, at the slots its plan names.
+    capacity, d]``): row ``r`` of key/value head ``h`` reads block ``plan.blocks[r] + h``, at the slots its plan
+    names.
     The same arithmetic per row as alone: a batch of sequences costs one call per layer instead of one each (a
     call's Python overhead is about as much as one row's attention over a few hundred keys)."""
     _, heads, rows, dim = query.shape
@@ -84,8 +88,8 @@ def exact_attention_blocks(query: torch.Tensor, keys: torch.Tensor, values: torc
     queries = query[0].transpose(0, 1).to(work).contiguous().view(rows, kv_heads, heads // kv_heads, dim)
     out = torch.empty((rows, kv_heads, heads // kv_heads, dim), dtype=work)
     rows_in = queries.numpy()
-    attend_rows(rows_in, keys.numpy(), values.numpy(), plan.indptr, plan.indices, blocks, rows_in.dtype.type(scale),
-                out.numpy())
+    attend_rows(rows_in, keys.numpy(), values.numpy(), plan.indptr, plan.indices, plan.blocks,
+                rows_in.dtype.type(scale), out.numpy())
     return out.view(rows, heads * dim).to(query.dtype)
 
 

@@ -231,8 +231,9 @@ class Int4Projection:
 
     A stack runs on one kernel for every row count (see :class:`Int4Kernels` and :func:`resolve_kernel`): the
     compiled one (:mod:`~hierspec.runtime.int4_kernel`: float32 rows and scales; a ``Q8_0``/``Q6_K`` weight as signed
-    8-bit codes with a scale per 16 inputs) or PyTorch's (bfloat16 rows and scales, one call per 4-bit pass). Call
-    it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
+    8-bit codes with a scale per 16 inputs), the AMX one (bfloat16 rows, float32 scales; ``Q8_0``/``Q6_K`` as 8-bit
+    codes too) or PyTorch's (bfloat16 rows and scales, one call per 4-bit pass). Call it like
+    :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
     """
 
     packed = True
@@ -247,7 +248,8 @@ class Int4Projection:
         self.bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
         #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
-        #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]`` or PyTorch's ``[packed, table]`` per pass
+        #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]`` or
+        #: PyTorch's ``[packed, table]`` per pass
         self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
                        else [stack.codes, stack.scales, stack.bias]
                        if isinstance(stack, (int4_kernel.PackedInt4, int4_kernel.PackedAmx))
@@ -274,15 +276,11 @@ def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
         scales = torch.cat([scales for _, scales in forms]).contiguous()
         return int4_kernel.pack_amx_int8(codes, scales) if kernel == "amx" else int4_kernel.PackedInt8(codes, scales)
     per_pass = [[passes[i] for passes in members] for i in range(depth)]
-    if kernel == "amx":
-        return int4_kernel.pack_amx([torch.cat([w.codes for w in ws]) for ws in per_pass],
-                                    [torch.cat([w.scales for w in ws]) for ws in per_pass],
-                                    [torch.cat([w.zeros for w in ws]) for ws in per_pass])
-    if kernel == "compiled":
-        return int4_kernel.pack_passes([torch.cat([w.codes for w in ws]) for ws in per_pass],
-                                       [torch.cat([w.scales for w in ws]) for ws in per_pass],
-                                       [torch.cat([w.zeros for w in ws]) for ws in per_pass])
-    return [_pack(ws) for ws in per_pass]
+    if kernel == "torch":
+        return [_pack(ws) for ws in per_pass]
+    pack = int4_kernel.pack_amx if kernel == "amx" else int4_kernel.pack_passes
+    return pack(*([torch.cat([getattr(w, part) for w in ws]) for ws in per_pass]
+                  for part in ("codes", "scales", "zeros")))
 
 
 def _product(rows: torch.Tensor, stack) -> torch.Tensor:
@@ -335,7 +333,7 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
 
 
 @functools.lru_cache(maxsize=None)
-def _timed_choice(threads: int, candidates: tuple[str, ...] = ("torch", "compiled")) -> Int4Kernels:
+def _timed_choice(threads: int, candidates: tuple[str, ...]) -> Int4Kernels:
     """The faster of ``candidates`` for each weight form here: read from the choice file beside the compiled kernel
     (one per thread count), or timed and written there, so that every process on this machine runs the same model
     (a fresh timing could flip between two close kernels and, with it, the last bits of every product). The 8-bit

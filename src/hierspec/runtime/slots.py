@@ -143,27 +143,22 @@ def plan_slot_batch(caches: Sequence[SlotCache], bounds: Sequence[tuple[int, int
     folded = -(-groups * per_slot // QUERY_ROW_MULTIPLE) * QUERY_ROW_MULTIPLE
     width = max(mask.shape[-1] for mask in masks)
     rows = bounds[-1][1]
+    pool.grow(width)  # every mask's width covers its sequence's cache and rows: the writes need no more
+    writes = plan_slot_writes(caches, bounds)
     additive = torch.full((count, 1, folded, width), -torch.inf, dtype=dtype, device=device)
     additive[..., 0] = 0.0  # dummy rows attend the first key: finite, never read
     gather = torch.zeros(count * per_slot, dtype=torch.long)
     scatter = torch.empty(rows, dtype=torch.long)
-    slot_index = torch.empty(rows, dtype=torch.long)
-    position_index = torch.empty(rows, dtype=torch.long)
-    ends = []
     for cache, (start, stop), mask in zip(caches, bounds, masks):
-        local, n, past = cache.slot - first, stop - start, cache.get_seq_length()
+        local, n = cache.slot - first, stop - start
         gather[local * per_slot : local * per_slot + n] = torch.arange(start, stop)
         scatter[start:stop] = torch.arange(local * per_slot, local * per_slot + n)
-        slot_index[start:stop] = cache.slot
-        position_index[start:stop] = torch.arange(past, past + n)
         own = additive_mask(mask[0, 0, :n], dtype)
         block = additive[local, 0, : groups * per_slot].view(groups, per_slot, width)
         block[:, :n, : mask.shape[-1]] = own
         block[:, :n, mask.shape[-1] :] = -torch.inf
-        ends.append((cache, past + n))
-    pool.grow(width)
-    return SlotBatch(pool, first, count, slot_index.to(device), position_index.to(device), gather.to(device),
-                     scatter.to(device), per_slot, additive, tuple(ends))
+    return SlotBatch(pool, first, count, writes.slot_index.to(device), writes.position_index.to(device),
+                     gather.to(device), scatter.to(device), per_slot, additive, writes.ends)
 
 
 @dataclass(frozen=True)
