@@ -265,3 +265,26 @@ def test_calibrate_writes_a_curve_that_budget_auto_reads(capsys, model_dir, tmp_
     assert saved["magic"] == "hierspec-cost-curve" and saved["sizes"] == [1, 2, 3, 4]
     code, _, err = _run(capsys, "calibrate", "--model", model_dir, "--repeats", "0")
     assert code == 2 and "--repeats" in err
+
+
+def test_draft_head_from_a_model_store_and_hd_with_it_matches_ar(capsys, model_dir, model_store_dir, tmp_path):
+    out = tmp_path / "head"
+    code, printed, _ = _run(capsys, "datastore", "build", "--kind", "head", "--model", model_dir, "--input",
+                            model_store_dir, "--out", str(out), "--shortlist", "16", "--head-width", "8",
+                            "--epochs", "1")
+    assert code == 0 and "built draft head" in printed and "held-out top-1" in printed
+    code, printed, _ = _run(capsys, "datastore", "info", str(out), "--verify")
+    info = json.loads(printed)
+    assert info["kind"] == "head" and info["arrays"]["shortlist"]["shape"][0] <= 16 and info["verified"]["ok"]
+    assert info["model"]["fingerprint"] and info["sources"][0].endswith("model-store")
+    code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", "ar",
+                            "--max-new-tokens", "10", "--json")
+    reference = json.loads(printed)["token_ids"]
+    drafted = {}
+    for method in ("hd:order=hc,lead=hc,tree=fixed", "hd:order=ht,h_width=2"):
+        code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", method,
+                                "--datastore", str(out), "--max-new-tokens", "10", "--json")
+        result = json.loads(printed)
+        assert code == 0 and result["token_ids"] == reference
+        drafted[method] = result["stats"]["drafted_by_source"].get("head", 0)
+    assert drafted["hd:order=hc,lead=hc,tree=fixed"] > 0  # the fixed tree drafts the head's guesses every step

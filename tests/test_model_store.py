@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from hierspec.config import GenerationConfig
+from hierspec.datastore.draft_head import HeadBuildConfig
 from hierspec.datastore.format import DatastoreError, default_store_dir
 from hierspec.datastore.model_store import GENERATIONS_FILE, ModelStoreConfig, first_user_turn, select_prompts
 from hierspec.datastore.ngram import NgramTable, count_ngrams, top_ngrams, write_ngram_table
@@ -157,9 +158,11 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
         build_model_store(target, _prompts(), out, ModelStoreConfig(max_new_tokens=9, method="ar"))
 
 
-def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(target, tmp_path, monkeypatch, capsys):
-    """``--preset default`` (``make stores MODEL=...``) builds ``suffix/``, ``code/`` and ``model/`` where ``hd`` and
-    ``rest`` find them, keeps finished ones on a second run, and ``rest:corpus=`` picks the chat or the code store."""
+def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_store(target, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """``--preset default`` (``make stores MODEL=...``) builds ``suffix/``, ``code/``, ``head/`` and ``model/`` where
+    ``hd`` and ``rest`` find them, keeps finished ones on a second run, and ``rest:corpus=`` picks the chat or the
+    code store."""
     chats = tmp_path / "sharegpt.json"
     chats.write_text(json.dumps([
         {"conversations": [{"from": "human", "value": "w1 w2 w3"}, {"from": "gpt", "value": "w4 w5 w6 w7"}]},
@@ -174,10 +177,12 @@ def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(targ
                         "{% for m in messages %}{{ m['content'] }} {% endfor %}", raising=False)
     root = default_store_dir(target.tokenizer_fingerprint, tmp_path / "stores")
     request = store_builds.BuildRequest(kind="suffix", out_dir=None,
-                                        model_store=ModelStoreConfig(max_new_tokens=3, limit=2, batch_size=2))
+                                        model_store=ModelStoreConfig(max_new_tokens=3, limit=2, batch_size=2),
+                                        head=HeadBuildConfig(shortlist=16, width=8, epochs=1, held_out=0.3))
     headers = store_builds.build_default_stores(target, root, request)
     assert "generating 2 answers: estimated" in capsys.readouterr().out  # timed on the batched path
-    assert set(headers) == {"suffix", "code", "model"}
+    assert set(headers) == {"suffix", "code", "head", "model"}
+    assert headers["head"]["kind"] == "head" and headers["head"]["pairs"] > 0
     assert headers["suffix"]["kind"] == headers["code"]["kind"] == "suffix" and headers["model"]["num_prompts"] == 2
     code = SuffixStore.open(root / "code", target.tokenizer_fingerprint)
     assert code.longest_match(np.array([21, 22, 23]), 3, 2) is not None  # the source file's words are indexed
@@ -185,9 +190,10 @@ def test_the_default_stores_are_a_chat_store_a_code_store_and_a_model_store(targ
         np.array([21, 22, 23]), 3, 2) is None
     capsys.readouterr()
     store_builds.build_default_stores(target, root, request)
-    assert capsys.readouterr().out.count("exists; kept") == 2
+    assert capsys.readouterr().out.count("exists; kept") == 3
     context = DrafterContext(target, store_root=str(tmp_path / "stores"))
     assert make_drafter("rest:budget=off", context).store.directory == root / "suffix"
+    assert "head" in make_drafter("hd", context).sources
     assert make_drafter("rest:corpus=code,budget=off", context).store.directory == root / "code"
     with pytest.raises(InputError, match="corpus='web'"):
         make_drafter("rest:corpus=web", context)

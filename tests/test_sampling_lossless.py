@@ -169,3 +169,32 @@ def test_dense_retrieval_sampling_matches_exact_distribution(target, tmp_path):
     assert forwards_per_run < 3.0
     pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"dense: p = {pvalue:.2e}"
+
+
+def test_hierarchy_drafting_with_a_draft_head_sampling_matches_exact_distribution(target, tmp_path):
+    """hd whose head guesses (continued by the successor table) are drafted beside the context database."""
+    from hierspec.datastore.dense import TokenDocument
+    from hierspec.datastore.draft_head import HeadBuildConfig, HeadStore, build_head_store
+    from hierspec.datastore.successors import SuccessorTable
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+
+    rng = np.random.default_rng(4)
+    documents = [TokenDocument(np.array(PROMPT + rng.integers(0, VOCAB, size=12).tolist())) for _ in range(40)]
+    build_head_store(target, documents, tmp_path / "head", HeadBuildConfig(shortlist=VOCAB, width=16, epochs=2,
+                                                                            held_out=0.1))
+    store = HeadStore.open(tmp_path / "head", target)
+    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
+    joint = exact_joint(exact_table(target, sampling))
+
+    def drafter():  # the fixed tree drafts the head's two guesses whenever it has a hidden state
+        return HierarchyDrafter(HierarchyConfig(l=1, m=3, n=3, order="htc", lead="h", h_width=2, tree="fixed"),
+                                head=store, embeddings=target.input_embeddings(), successors=SuccessorTable(VOCAB, 4))
+
+    one = SpeculativeDecoder(target, drafter()).generate(PROMPT, GenerationConfig(
+        max_new_tokens=3, stop_at_eos=False, sampling=SamplingConfig(sampling.temperature, sampling.top_p, seed=0)))
+    assert one.stats.drafted_by_source.get("head", 0) > 0
+    counts, forwards_per_run = sample_counts(target, drafter, sampling)
+    assert counts[joint == 0].sum() == 0
+    assert forwards_per_run < 3.0
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
+    assert pvalue > 1e-3, f"hd with a head: p = {pvalue:.2e}"

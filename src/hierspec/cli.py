@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     store_sub = store.add_subparsers(dest="datastore_command", required=True)
     build = store_sub.add_parser("build", help="build a datastore from a corpus")
     build.add_argument("--kind", default="suffix",
-                       help="store kind: suffix (a corpus), model (the model's answers) or dense (hidden states)")
+                       help="store kind: suffix (a corpus), model (the model's answers), dense (hidden states) or "
+                            "head (a draft head trained on the target's hidden states)")
     build.add_argument("--input", action="append", default=[], help="text file, .jsonl, ShareGPT .json or directory")
     build.add_argument("--format", default="auto", help="auto, text, jsonl, sharegpt or code (applies to --input)")
     build.add_argument("--preset", action="append", default=[],
@@ -145,9 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     dense.add_argument("--next-tokens", type=int, default=20, help="tokens stored after each key (default 20)")
     dense.add_argument("--index", default="hnsw", choices=["hnsw", "ivf", "flat"], help="FAISS index (default hnsw)")
     dense.add_argument("--window", type=int, default=512, help="most tokens per forward window (default 512)")
-    dense.add_argument("--max-keys", type=int, default=None, help="stop after this many keys")
+    dense.add_argument("--max-keys", type=int, default=None,
+                       help="stop after this many keys (dense: the whole input; head: 300000)")
     dense.add_argument("--sample", type=int, default=1_000_000,
                        help="most vectors used to fit the normalisation and PCA (default 1000000)")
+    head = build.add_argument_group("draft head (--kind head; also takes --window and --max-keys)")
+    head.add_argument("--shortlist", type=int, default=4096, help="tokens the head can predict (default 4096)")
+    head.add_argument("--head-width", type=int, default=576, help="hidden units of the head (default 576)")
+    head.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     _add_model_options(build)
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
@@ -378,6 +384,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
         print(json.dumps(store_build.info(args.directory, verify=args.verify), indent=2))
         return 0
     from hierspec.datastore.dense import DenseBuildConfig
+    from hierspec.datastore.draft_head import HeadBuildConfig
     from hierspec.datastore.suffix import SuffixBuildConfig
 
     if args.tokenizer and args.model and args.tokenizer != args.model:
@@ -392,6 +399,8 @@ def cmd_datastore(args: argparse.Namespace) -> int:
         exclude_questions=tuple(args.exclude_questions), model_store=_model_store_config(args),
         dense=DenseBuildConfig(pca_dim=args.pca_dim, next_tokens=args.next_tokens, index=args.index,
                                window=args.window, max_keys=args.max_keys, sample=args.sample),
+        head=HeadBuildConfig(shortlist=args.shortlist, width=args.head_width, epochs=args.epochs, window=args.window,
+                             **({} if args.max_keys is None else {"max_keys": args.max_keys})),
     )
     result = store_build.build(request)
     for header in result.values() if "default" in args.preset else [result]:
@@ -414,6 +423,11 @@ def _model_store_config(args: argparse.Namespace):
 
 
 def _describe_store(header: dict) -> str:
+    if header.get("kind") == "head":
+        accuracy = header["accuracy"]
+        return (f"built draft head: {header['pairs']} training positions, shortlist of "
+                f"{len(header['arrays']) and header['arrays']['shortlist']['shape'][0]} tokens; held-out top-1 "
+                f"{accuracy['top1']:.1%}, top-4 {accuracy['top4']:.1%}; {header['build']['seconds']:.1f} s")
     if header.get("kind") == "dense":
         return (f"built dense store: {header['keys']} keys of {header['pca_dim']} dims "
                 f"({header['explained_variance']:.0%} of the variance), {header['index']['type']} index, "

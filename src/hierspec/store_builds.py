@@ -27,6 +27,8 @@ from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.datastore.corpus import iter_documents, preset_inputs
 from hierspec.datastore.dense import KIND as DENSE_KIND
 from hierspec.datastore.dense import DenseBuildConfig, DenseStore, TokenDocument, build_dense_store
+from hierspec.datastore.draft_head import KIND as HEAD_KIND
+from hierspec.datastore.draft_head import HeadBuildConfig, HeadStore, build_head_store
 from hierspec.datastore.format import DatastoreError, default_store_dir, read_header
 from hierspec.datastore.model_store import (
     GENERATIONS_FILE,
@@ -56,7 +58,7 @@ from hierspec.target import load_model
 
 log = logging.getLogger(__name__)
 
-KINDS = (SUFFIX_KIND, MODEL_KIND, DENSE_KIND)
+KINDS = (SUFFIX_KIND, MODEL_KIND, DENSE_KIND, HEAD_KIND)
 #: what ``--preset default`` builds: the model store answers this many ShareGPT prompts (first user turns)
 DEFAULT_MODEL_STORE = ModelStoreConfig(max_new_tokens=128, limit=2000)
 
@@ -66,7 +68,7 @@ class BuildRequest:
     """One datastore build.
 
     Attributes:
-        kind: store kind (``suffix``, ``model`` or ``dense``).
+        kind: store kind (``suffix``, ``model``, ``dense`` or ``head``).
         out_dir: the directory to create (for ``--preset default``: the root holding ``suffix/`` and ``model/``;
             ``None`` = :func:`~hierspec.datastore.format.default_store_dir`).
         inputs: ``(path, format)`` pairs; formats as in :mod:`hierspec.datastore.corpus`.
@@ -81,6 +83,7 @@ class BuildRequest:
         model_store: model-store builder settings (``None``: :class:`ModelStoreConfig` defaults, or
             :data:`DEFAULT_MODEL_STORE` for ``--preset default``).
         dense: dense-store builder settings.
+        head: draft-head builder settings.
     """
 
     kind: str
@@ -95,6 +98,7 @@ class BuildRequest:
     exclude_questions: tuple[str, ...] = ()
     model_store: ModelStoreConfig | None = None
     dense: DenseBuildConfig = DenseBuildConfig()
+    head: HeadBuildConfig = HeadBuildConfig()
 
 
 def build(request: BuildRequest) -> dict:
@@ -109,6 +113,8 @@ def build(request: BuildRequest) -> dict:
         return build_model(request)
     if request.kind == DENSE_KIND:
         return build_dense(request)
+    if request.kind == HEAD_KIND:
+        return build_head(request)
     return build_suffix(request)
 
 
@@ -132,6 +138,16 @@ def build_dense(request: BuildRequest) -> dict:
     documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
     return build_dense_store(target, documents, request.out_dir, request.dense,
                              sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite)
+
+
+def build_head(request: BuildRequest) -> dict:
+    """A draft head trained on the target's hidden states over the request's inputs (rendered as assistant turns
+    with ``--chat-template``, as the model generates them)."""
+    inputs = _checked_inputs(request)
+    target = load_model(config=request.model)
+    documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
+    return build_head_store(target, documents, request.out_dir, request.head,
+                            sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite)
 
 
 def token_documents(target, path: Path, fmt: str, chat_template: bool = False):
@@ -188,8 +204,9 @@ DEFAULT_SUFFIX_STORES = (("suffix", "sharegpt", True), ("code", "python-stdlib",
 
 def build_default(request: BuildRequest) -> dict:
     """``--preset default``: for one model, a suffix store of ShareGPT answers (``suffix/``, read by ``hd`` and
-    ``rest``), one of the Python standard library's sources (``code/``, ``rest:corpus=code``) and a model store of
-    its own answers to ShareGPT prompts (``model/``)."""
+    ``rest``), one of the Python standard library's sources (``code/``, ``rest:corpus=code``), a model store of its
+    own answers to ShareGPT prompts (``model/``) and a draft head trained on its hidden states over those answers and
+    ShareGPT's (``head/``, read by ``hd``)."""
     target = load_model(config=request.model)
     root = Path(request.out_dir) if request.out_dir else default_store_dir(target.tokenizer_fingerprint)
     return build_default_stores(target, root, request)
@@ -203,7 +220,9 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
           f"  1. suffix store of ShareGPT answers (about 20 M tokens; ~1 minute)\n"
           f"  2. suffix store of the Python standard library's sources (about 9 M tokens; under a minute)\n"
           f"  3. model store: the model answers {config.limit} ShareGPT prompts, up to {config.max_new_tokens} "
-          f"tokens each (its time estimate is printed when it starts)", flush=True)
+          f"tokens each (its time estimate is printed when it starts)\n"
+          f"  4. draft head: the model reads {request.head.max_keys} tokens of its answers and ShareGPT's, then a "
+          f"small head is trained on its hidden states (~15 minutes for SmolLM2-135M on two cores)", flush=True)
     headers = {}
     for name, preset, as_answers in DEFAULT_SUFFIX_STORES:
         directory = root / name
@@ -223,7 +242,23 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
     prompts = select_prompts(iter_prompts(sharegpt), _excluded(request), english_only=True)
     headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
                                             overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")
+    headers[HEAD_KIND] = _default_head(target, root, sharegpt, request)
     return headers
+
+
+def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest) -> dict:
+    """The default draft head, kept when it exists unless ``overwrite``: trained on the model store's answers (the
+    text the model itself writes: held-out top-1 40 % against 35 % on ShareGPT's answers for SmolLM2), then
+    ShareGPT's answers as assistant turns, up to the head's ``max_keys`` positions."""
+    directory = root / HEAD_KIND
+    if (directory / "header.json").is_file() and not request.overwrite:
+        print(f"  {directory} exists; kept (pass --overwrite to rebuild)", flush=True)
+        return read_header(directory)
+    model_dir = root / MODEL_KIND
+    documents = chain(token_documents(target, model_dir, "jsonl"),
+                      token_documents(target, sharegpt, "sharegpt", chat_template=True))
+    return build_head_store(target, documents, directory, request.head,
+                            sources=[f"model-store:{model_dir}", f"sharegpt:{sharegpt}"], overwrite=request.overwrite)
 
 
 def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width: int = 16, steps: int = 4) -> float:
@@ -273,7 +308,8 @@ def assistant_turn_renderer(tokenizer):
 def info(directory: str, verify: bool = False) -> dict:
     """Header and sizes of a datastore; with ``verify``, every array is read and checked too (``"verified"``)."""
     header = read_header(directory)
-    opener = {SUFFIX_KIND: SuffixStore.open, MODEL_KIND: NgramTable.open, DENSE_KIND: DenseStore.open}.get(
+    opener = {SUFFIX_KIND: SuffixStore.open, MODEL_KIND: NgramTable.open, DENSE_KIND: DenseStore.open,
+              HEAD_KIND: HeadStore.open}.get(
         header["kind"])
     if opener is None:
         raise DatastoreError(f"{directory} is a datastore of unknown kind {header['kind']!r}")

@@ -166,6 +166,16 @@ class TargetModel:
                          logits_to_keep=1)
         return out.hidden_states[-1]
 
+    def int4_kernels(self):
+        """The int4 path's kernels (:class:`~hierspec.runtime.quantized.Int4Kernels`) when the model runs on it, else
+        ``None`` — for hierspec's own small networks (a draft head) to use the same products."""
+        runtime = self.runtime
+        return runtime.int4_kernel if getattr(runtime, "kind", None) == "int4" else None
+
+    def input_embeddings(self) -> torch.Tensor:
+        """The input embedding matrix ``[vocab, hidden]``, float32 on the CPU (a draft head reads one row a step)."""
+        return self.model.get_input_embeddings().weight.detach().to("cpu", torch.float32)
+
     def forward_tree(self, cache: TreeCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:
         """Verify a draft tree in one forward pass on top of the cache.
 

@@ -302,14 +302,14 @@ def build_dense_store(target, documents: Iterable[TokenDocument], out_dir: str |
     with claimed_output(out_dir) as out_dir:
         check_replaceable(out_dir, overwrite)
         sources = list(sources)
-        documents = list(_limit_keys(documents, config.max_keys))
+        documents = list(limit_keys(documents, config.max_keys))
         if not documents:
             raise InputError("nothing to index: the inputs hold no document of two or more tokens")
         params = {"model": target.model_fingerprint, "config": asdict(config), "sources": sources,
                   "documents": len(documents), "keys": sum(d.keys for d in documents)}
         start = time.perf_counter()
         work = resumable_work_dir(out_dir, params, restart=overwrite)
-        rows = _embed_documents(target, documents, work, config)
+        rows = embed_documents(target, documents, work, config)
         hidden = np.memmap(work / HIDDEN_FILE, dtype=np.float16, mode="r", shape=(rows, target.hidden_size))
         rng = np.random.default_rng(config.seed)
         sample_rows = np.sort(rng.choice(rows, size=min(rows, config.sample), replace=False))
@@ -325,7 +325,7 @@ def build_dense_store(target, documents: Iterable[TokenDocument], out_dir: str |
     return header
 
 
-def _limit_keys(documents: Iterable[TokenDocument], max_keys: int | None) -> Iterator[TokenDocument]:
+def limit_keys(documents: Iterable[TokenDocument], max_keys: int | None) -> Iterator[TokenDocument]:
     total = 0
     for doc in documents:
         if doc.keys <= 0:
@@ -347,7 +347,7 @@ def _read_progress(work: Path) -> tuple[int, int]:
     return int(progress["documents"]), int(progress["rows"])
 
 
-def _embed_documents(target, documents: list[TokenDocument], work: Path, config: DenseBuildConfig) -> int:
+def embed_documents(target, documents: list[TokenDocument], work: Path, config: DenseBuildConfig) -> int:
     """Append hidden states and values of the documents not done yet; return the total rows."""
     done, rows = _read_progress(work)
     hidden_size = target.hidden_size

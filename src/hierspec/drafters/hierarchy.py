@@ -14,6 +14,9 @@
 * ``a`` and ``o`` — longest suffix matches (:mod:`hierspec.drafters.suffix_sources`): ``a`` in this generation's
   own prompt and tokens (a suffix automaton; first in the default order ``acmst``), ``o`` in the earlier outputs of
   this process (not in the default order); ranked by match length.
+* ``h`` — a trained draft head (:mod:`hierspec.drafters.head_source`): the target's likely tokens after the root,
+  guessed from its hidden state at the last accepted node (read when a ``head`` store is found; in the default
+  order).
 
 Each step reads the databases in ``order``. With ``tree=scored`` (the default) every database offers up to
 ``candidates`` sequences, each node is scored with its estimated probability of acceptance, and the tree is the
@@ -30,8 +33,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from hierspec.accept import Verdict
+from hierspec.datastore.draft_head import HeadStore
 from hierspec.datastore.learning import LearningStore
 from hierspec.datastore.ngram import NgramTable
 from hierspec.datastore.recent_outputs import RecentOutputs
@@ -41,6 +46,7 @@ from hierspec.drafters.base import Drafter
 from hierspec.drafters.context_db import ContextDB
 from hierspec.drafters.dense import DenseConfig, DenseRetriever
 from hierspec.drafters.exploration import ExplorationBackOff
+from hierspec.drafters.head_source import HeadDatabase
 from hierspec.drafters.registry import register
 from hierspec.drafters.scored import (AcceptanceModel, Candidate, ContextCost, ScoredTree, linear_cost,
                                       select_tree)
@@ -51,7 +57,7 @@ from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
 log = logging.getLogger(__name__)
 
 SOURCE_NAMES = {"c": "context", "m": "model", "s": "statistics", "d": "dense", "t": "successors", "a": "automaton",
-                "o": "outputs"}
+                "o": "outputs", "h": "head"}
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,8 @@ class HierarchyConfig:
         n: draft sequences per step (``N``), also the context database's values per key.
         order: databases to read, in order: letters ``c`` (context), ``m`` (model), ``s`` (statistics), ``d``
             (dense retrieval, needs a dense store), ``t`` (successor table), ``a`` (longest match in the context's
-            suffix automaton), ``o`` (longest match in this process's earlier outputs).
+            suffix automaton), ``o`` (longest match in this process's earlier outputs), ``h`` (a draft head's
+            guesses, needs a head store).
         top_k: most frequent grams of the model store used (the table holds at most what it was built with).
         recycle_topk: target predictions recycled per verified node: 1 = top-1, k > 1 adds the next k - 1 as
             one-token values.
@@ -97,12 +104,13 @@ class HierarchyConfig:
         o_max_tokens: tokens of earlier outputs kept for ``o`` (the oldest are dropped; shared by the process).
         match_depth: ``a`` and ``o`` draft at most this many tokens per matched token (SuffixDecoding's cap);
             0 = up to ``m``.
+        h_width: the draft head's guesses drafted per step (each continued by the successor table).
     """
 
     l: int = 2  # noqa: E741 — the paper's name
     m: int = 6
     n: int = 2
-    order: str = "acmst"
+    order: str = "acmsth"
     top_k: int = 100_000
     recycle_topk: int = 1
     min_count: int = 2
@@ -124,6 +132,7 @@ class HierarchyConfig:
     o_min_match: int = 2
     o_max_tokens: int = 100_000
     match_depth: float = 0.0
+    h_width: int = 3
 
     def __post_init__(self) -> None:
         if self.tree not in {"scored", "fixed"}:
@@ -132,13 +141,13 @@ class HierarchyConfig:
             raise InputError("hd needs explore_every >= 0 (0: never explore)")
         if min(self.a_min_match, self.o_min_match) < 1 or self.o_max_tokens < 2 or self.match_depth < 0:
             raise InputError("hd needs a_min_match, o_min_match >= 1, o_max_tokens >= 2 and match_depth >= 0")
-        if min(self.candidates, self.t_k, self.t_width, self.flush_every) < 1:
-            raise InputError("hd needs candidates, t_k, t_width and flush_every >= 1")
+        if min(self.candidates, self.t_k, self.t_width, self.flush_every, self.h_width) < 1:
+            raise InputError("hd needs candidates, t_k, t_width, flush_every and h_width >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
             raise InputError(f"hd order {self.order!r}: use each of the letters {', '.join(SOURCE_NAMES)} at most "
-                             "once, e.g. 'acmst'")
+                             "once, e.g. 'acmsth'")
         if not self.lead or set(self.lead) - set(SOURCE_NAMES):
             raise InputError(f"hd lead {self.lead!r}: use letters among {', '.join(SOURCE_NAMES)}")
         if not (0.0 <= self.s_min_share <= 1.0 and 0.0 <= self.m_min_share <= 1.0):
@@ -279,7 +288,8 @@ class HierarchyDrafter(Drafter):
     def __init__(self, config: HierarchyConfig | None = None, model: DraftDatabase | None = None,
                  statistics: DraftDatabase | None = None, dense: DenseRetriever | None = None,
                  cost: Callable[[int], float] | None = None, successors: SuccessorTable | None = None,
-                 learning: LearningStore | None = None, outputs: RecentOutputs | None = None) -> None:
+                 learning: LearningStore | None = None, outputs: RecentOutputs | None = None,
+                 head: HeadStore | None = None, embeddings: torch.Tensor | None = None) -> None:
         self.config = config or HierarchyConfig()
         scored = self.config.tree == "scored"
         self.context_db = ContextDB(self.config.l, self.config.m,
@@ -296,13 +306,15 @@ class HierarchyDrafter(Drafter):
                           if "a" in config.order else None)
         self.outputs = (OutputsDatabase(outputs, config.m, config.o_min_match, config.match_depth)
                         if outputs is not None and "o" in config.order else None)
+        self.head = (HeadDatabase(head, embeddings, config.m, config.h_width, self.successors)
+                     if head is not None and embeddings is not None and "h" in config.order else None)
         available = {"c": self.context_db, "m": model, "s": statistics, "d": dense, "t": successor_db,
-                     "a": self.automaton, "o": self.outputs}
+                     "a": self.automaton, "o": self.outputs, "h": self.head}
         self.databases: list[tuple[str, DraftDatabase]] = [
             (SOURCE_NAMES[letter], available[letter]) for letter in self.config.order if available[letter] is not None
         ]
         self.dense = dense if "d" in self.config.order else None
-        self.wants_hidden = self.dense is not None
+        self.wants_hidden = self.dense is not None or self.head is not None
         self._leaders = {SOURCE_NAMES[letter] for letter in self.config.lead}
         self._proposed_length = 0
         self._prompt_length = 0
@@ -332,7 +344,7 @@ class HierarchyDrafter(Drafter):
         self._scored = None
         self.context_db.reset()
         self.context_db.feed_context(prompt)
-        for database in (self.automaton, self.outputs):
+        for database in (self.automaton, self.outputs, self.head):
             if database is not None:
                 database.reset()
         if self.dense is not None:
@@ -341,6 +353,8 @@ class HierarchyDrafter(Drafter):
     def observe_hidden(self, hidden: np.ndarray) -> None:
         if self.dense is not None:
             self.dense.set_query(hidden)
+        if self.head is not None:
+            self.head.set_query(hidden)
 
     def share_forward(self, rows: int, tokens: float) -> None:
         self._shared = (int(rows), float(tokens))
@@ -484,6 +498,13 @@ def _flat_cost(rows: int) -> float:
     return 1.0
 
 
+def _open_head(directory: str, target) -> HeadStore:
+    """A draft head for ``target``, its products on the target's int4 kernels when it runs on them."""
+    store = HeadStore.open(directory, target)
+    store.use_kernels(target.int4_kernels())
+    return store
+
+
 @register("hd", HierarchyConfig, summary="Hierarchy Drafting: context, model, statistics, successor (and dense) "
                                          "databases; the default", sizes_itself=True)
 def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) -> HierarchyDrafter:
@@ -496,6 +517,7 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
     model_dir = context.optional_datastore("model") if "m" in options.order else None
     suffix_dir = context.optional_datastore("suffix") if "s" in options.order else None
     dense_dir = context.optional_datastore("dense") if "d" in options.order else None
+    head_dir = context.optional_datastore("head") if "h" in options.order else None
     model = statistics = dense = None
     if model_dir:
         table = context.shared(("ngram", model_dir, options.top_k),
@@ -518,7 +540,9 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
                                     lambda: SuccessorTable(context.target.vocab_size, options.t_k))
     outputs = (context.shared(("recent-outputs", options), lambda: RecentOutputs(options.o_max_tokens))
                if "o" in options.order else None)
+    head = context.shared(("head", head_dir), lambda: _open_head(head_dir, context.target)) if head_dir else None
     drafter = HierarchyDrafter(options, model, statistics, dense, cost=context.verification_cost(),
-                               successors=successors, learning=learning, outputs=outputs)
+                               successors=successors, learning=learning, outputs=outputs, head=head,
+                               embeddings=context.target.input_embeddings() if head is not None else None)
     log.info("hd reads %s", " > ".join(drafter.sources))
     return drafter

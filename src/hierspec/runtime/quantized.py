@@ -122,6 +122,19 @@ def as_int8(passes: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor] |
     return codes.reshape(rows, cols).to(torch.int8), scales.reshape(rows, -1)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> list[Int4Weight]:
+    """A float weight ``[out, in]`` (``in`` a multiple of 32) rounded as GGUF's ``Q8_0`` rounds it — a scale ``d``
+    per 32 inputs, ``q = round(w / d)`` in [-127, 127] — and split into the two 4-bit passes :func:`decode_blocks`
+    makes of a ``Q8_0`` tensor, so that any of the int4 path's kernels multiplies it (for small networks of
+    hierspec's own, e.g. a draft head)."""
+    values = weight.detach().to(torch.float32).reshape(weight.shape[0], -1, GROUP)
+    scale = values.abs().amax(dim=-1) / 127.0
+    codes = torch.round(values / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127).to(torch.int16)
+    codes, scale = codes.reshape(weight.shape).numpy(), scale.numpy()
+    high, low = (codes >> 4) + 8, codes & 15
+    return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
+
+
 def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4Weight]:
     """The 4-bit passes of one GGUF tensor ``[rows, cols]`` stored as ``kind`` blocks in ``raw`` (its bytes).
 

@@ -1,0 +1,355 @@
+"""Draft-head store: a small network trained on the target's own hidden states that guesses the token after next.
+
+A verification forward ends with the target's last hidden state ``h`` at the last accepted node and its prediction
+there, the next step's root ``r``. The databases of ``hd`` then look for what follows ``r`` in text; when none of
+them holds it (about three quarters of the steps that accept nothing, docs/miss-study.md) a step drafts in vain.
+The head reads ``h`` and ``r`` — information those databases never see — and predicts the target's next token after
+``r`` (the idea of Medusa and Hydra heads, conditioned on ``r`` as Hydra's are)::
+
+    z = h + W2 · silu(W1 · [h ; embed(r)] + b1) + b2
+    logits = rmsnorm(z) · g  @  S^T
+
+``S`` holds the target's own output-embedding rows of a shortlist: the ``shortlist`` tokens the target predicts
+most often on the training text (4,096 cover ~90 % of its predictions on ShareGPT answers; a one-row product over
+all 49,152 of SmolLM2's would cost a sixth of a forward). Only ``W1``, ``b1``, ``W2``, ``b2`` and ``g`` are trained.
+
+Building runs the target over documents (the dense store's resumable hidden-state pass, :mod:`hierspec.datastore.
+dense`), labels each position ``t`` with the target's own prediction at ``t + 1`` (self-distillation: what greedy
+decoding will verify against), keeps the pairs whose label is in the shortlist and trains with cross-entropy;
+a held-out tail of the documents measures top-1 / top-4 accuracy, per confidence bin, written into the header.
+The header records both fingerprints (tokenizer and model): hidden states are model-specific.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from hierspec.datastore.dense import (HIDDEN_FILE, PROGRESS_FILE, VALUES_FILE, DenseBuildConfig, TokenDocument,
+                                      check_model, embed_documents, limit_keys)
+from hierspec.datastore.format import (DatastoreError, check_tokenizer, header_dict, new_header, open_array,
+                                       read_header, write_array, write_header)
+from hierspec.datastore.output import (BUILD_FILE, check_replaceable, claimed_output, put_in_place,
+                                       resumable_work_dir)
+from hierspec.errors import InputError
+
+KIND = "head"
+#: confidence bins of a head guess by its probability (the scored tree learns a rate per bin)
+PROBABILITY_BINS = (0.5, 0.25, 0.1)
+
+
+@dataclass(frozen=True)
+class HeadBuildConfig:
+    """Draft-head builder settings.
+
+    Attributes:
+        max_keys: training positions taken from the inputs (the hidden-state pass dominates the build: SmolLM2-135M
+            reads ~700 positions a second on two cores).
+        shortlist: tokens the head can predict (the target's most frequent predictions on the inputs).
+        width: hidden units of the head's layer.
+        epochs, batch, lr: training (AdamW).
+        held_out: share of the documents (the last ones) kept out of training to measure accuracy.
+        window, batch_tokens: the hidden-state pass, as for a dense store.
+        seed: shuffling and initialisation.
+    """
+
+    max_keys: int = 300_000
+    shortlist: int = 4096
+    width: int = 576
+    epochs: int = 3
+    batch: int = 256
+    lr: float = 1e-3
+    held_out: float = 0.05
+    window: int = 512
+    batch_tokens: int = 4096
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.max_keys, self.shortlist, self.width, self.epochs, self.batch, self.window,
+               self.batch_tokens) < 1:
+            raise InputError("a draft head needs max_keys, shortlist, width, epochs, batch, window and batch_tokens "
+                             ">= 1")
+        if not (0.0 < self.held_out < 0.5 and self.lr > 0):
+            raise InputError("a draft head needs 0 < held_out < 0.5 and lr > 0")
+
+    def hidden_pass(self) -> DenseBuildConfig:
+        """The dense store's hidden-state pass with these windows (one next token stored per position)."""
+        return DenseBuildConfig(next_tokens=1, window=self.window, batch_tokens=self.batch_tokens,
+                                max_keys=self.max_keys)
+
+
+class DraftHead(torch.nn.Module):
+    """``z = h + W2 silu(W1 [h; e] + b1) + b2``, then RMS norm with gain ``g``: the state whose product with the
+    shortlist's output embeddings gives the head's logits."""
+
+    def __init__(self, hidden: int, width: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(2 * hidden, width)
+        self.down = torch.nn.Linear(width, hidden)
+        self.gain = torch.nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+        torch.nn.init.zeros_(self.down.weight)  # starts as the identity on h
+        torch.nn.init.zeros_(self.down.bias)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        z = hidden + self.down(F.silu(self.up(torch.cat([hidden, embedded], dim=-1))))
+        return F.rms_norm(z, (z.shape[-1],), self.gain, self.eps)
+
+
+# ----------------------------------------------------------------------------------------------- the store
+class HeadStore:
+    """A trained draft head with its shortlist: :meth:`guess` the target's next tokens after a root."""
+
+    def __init__(self, directory: Path, header: dict, head: DraftHead, shortlist: np.ndarray,
+                 rows: torch.Tensor) -> None:
+        self.directory, self.header, self.head = directory, header, head
+        self.shortlist = shortlist
+        self._shortlist = torch.from_numpy(shortlist.astype(np.int64))
+        self.rows = rows
+        self._quantized: tuple | None = None
+
+    @classmethod
+    def open(cls, directory: str | Path, target=None) -> HeadStore:
+        """Open and validate a store; with ``target``, refuse one built with another tokenizer or model."""
+        directory = Path(directory)
+        header = read_header(directory, KIND)
+        if target is not None:
+            check_tokenizer(header, directory, target.tokenizer_fingerprint, target.name)
+            check_model(header, directory, target.model_fingerprint, target.name)
+        arrays = header_dict(header, "arrays", directory)
+        weights = {name: np.array(open_array(directory, arrays.get(name), ("<f4",), ndim=ndim))
+                   for name, ndim in (("up.weight", 2), ("up.bias", 1), ("down.weight", 2), ("down.bias", 1),
+                                      ("gain", 1), ("rows", 2))}
+        shortlist = np.array(open_array(directory, arrays.get("shortlist"), ("<i4",), ndim=1))
+        hidden, width = weights["down.weight"].shape
+        if (weights["up.weight"].shape != (width, 2 * hidden) or weights["rows"].shape != (shortlist.shape[0], hidden)
+                or not all(np.isfinite(w).all() for w in weights.values())):
+            raise DatastoreError(f"{directory}: the head's arrays disagree in shape or are not finite; rebuild it")
+        vocab = header.get("vocab_size")
+        if shortlist.size and (shortlist.min() < 0 or (isinstance(vocab, int) and shortlist.max() >= vocab)):
+            raise DatastoreError(f"{directory}: shortlist tokens outside the vocabulary; rebuild the store")
+        if target is not None and hidden != target.hidden_size:
+            raise DatastoreError(f"{directory}: a head for hidden size {hidden}, the target's is "
+                                 f"{target.hidden_size}; rebuild it")
+        head = DraftHead(hidden, width, float(header.get("eps", 1e-5)))
+        head.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items() if k != "rows"})
+        head.eval()
+        return cls(directory, header, head, shortlist, torch.from_numpy(weights.pop("rows")))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.rows.shape[1])
+
+    def use_kernels(self, kernels) -> None:
+        """Run the head's three products on the int4 path's kernels (``Int4Kernels``), its weights rounded to
+        ``Q8_0`` (a quarter of float32's bytes: in a decoding step the weights come from memory, not cache, and on
+        SmolLM2 the float32 head took ~1 ms of a 13 ms step); ``None`` goes back to float32."""
+        from hierspec.runtime.quantized import Int4Projection, quantize_q8_0
+
+        if kernels is None:
+            self._quantized = None
+            return
+
+        def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Projection:
+            return Int4Projection([quantize_q8_0(weight)], [bias], kernel=kernels.four_bit,
+                                  eight_bit=kernels.eight_bit)
+
+        head = self.head
+        self._quantized = (product(head.up.weight, head.up.bias), product(head.down.weight, head.down.bias),
+                           product(self.rows, None))
+
+    @torch.inference_mode()
+    def guess(self, hidden: np.ndarray, embedded: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` most likely next tokens (ids) and their probabilities after the root whose input embedding
+        is ``embedded``, from the target's hidden state ``hidden`` where it predicted that root."""
+        hidden = torch.from_numpy(np.asarray(hidden, dtype=np.float32)).reshape(1, -1)
+        embedded = embedded.reshape(1, -1).to(torch.float32)
+        if self._quantized is None:
+            logits = F.linear(self.head(hidden, embedded), self.rows)[0]
+        else:
+            up, down, rows = self._quantized
+            z = hidden + down(F.silu(up(torch.cat([hidden, embedded], dim=-1))[0]))[0]
+            logits = rows(F.rms_norm(z, (z.shape[-1],), self.head.gain, self.head.eps))[0][0]
+        top = torch.topk(logits, min(k, logits.shape[0]))
+        probabilities = torch.exp(top.values - torch.logsumexp(logits, dim=0))
+        return self._shortlist[top.indices].numpy(), probabilities.numpy()
+
+    def verify(self) -> dict:
+        """Opening reads every array and checks shapes, finiteness and the shortlist's range; report what it holds."""
+        return {"shortlist": int(self.shortlist.shape[0]), "width": int(self.head.up.out_features), "ok": True}
+
+    def info(self) -> dict:
+        files = sorted(p for p in self.directory.iterdir() if p.is_file())
+        return {**self.header, "bytes_on_disk": sum(p.stat().st_size for p in files)}
+
+
+def probability_bin(probability: float) -> int:
+    """Confidence bin of a guess: probability >= 0.5 → 0, >= 0.25 → 1, >= 0.1 → 2, less → 3."""
+    for i, edge in enumerate(PROBABILITY_BINS):
+        if probability >= edge:
+            return i
+    return len(PROBABILITY_BINS)
+
+
+# ----------------------------------------------------------------------------------------------- building
+def build_head_store(target, documents: Iterable[TokenDocument], out_dir: str | Path, config: HeadBuildConfig,
+                     sources: Iterable[str] = (), overwrite: bool = False) -> dict:
+    """Train a draft head on ``target``'s hidden states over ``documents``; return the store's header.
+
+    The hidden-state pass resumes after an interruption (same inputs and settings), as a dense store's does.
+    """
+    with claimed_output(out_dir) as out_dir:
+        check_replaceable(out_dir, overwrite)
+        sources = list(sources)
+        pass_config = config.hidden_pass()
+        documents = list(limit_keys(documents, pass_config.max_keys))
+        if not documents:
+            raise InputError("nothing to train on: the inputs hold no document of two or more tokens")
+        params = {"model": target.model_fingerprint, "config": asdict(config), "sources": sources,
+                  "documents": len(documents), "keys": sum(d.keys for d in documents), "kind": KIND}
+        start = time.perf_counter()
+        work = resumable_work_dir(out_dir, params, restart=overwrite)
+        rows = embed_documents(target, documents, work, pass_config)
+        hidden = np.memmap(work / HIDDEN_FILE, dtype=np.float16, mode="r", shape=(rows, target.hidden_size))
+        values = np.fromfile(work / VALUES_FILE, dtype=np.int32, count=rows)
+        output_rows, input_rows = _embeddings(target)
+        pairs = training_pairs([d.keys for d in documents])
+        labels = _predictions(hidden, output_rows)
+        head, shortlist, accuracy = train_head(hidden, values, labels, pairs, input_rows, output_rows, config)
+        header = _write(target, work, head, shortlist, output_rows, accuracy, config, sources, len(pairs),
+                        seconds=time.perf_counter() - start)
+        del hidden
+        for name in (HIDDEN_FILE, VALUES_FILE, PROGRESS_FILE, BUILD_FILE):
+            (work / name).unlink(missing_ok=True)
+        put_in_place(work, out_dir, overwrite)
+    return header
+
+
+def training_pairs(keys_per_document: list[int]) -> np.ndarray:
+    """Row ids ``r`` whose next row ``r + 1`` is the next position of the same document (``[pairs]``): the head
+    reads row ``r``'s hidden state and next token and is taught row ``r + 1``'s prediction.
+
+    Example: documents of 3 and 2 keys (rows 0-2 and 3-4) → ``[0, 1, 3]``.
+    """
+    ends = np.cumsum(keys_per_document)
+    starts = ends - np.asarray(keys_per_document)
+    return np.concatenate([np.arange(s, e - 1) for s, e in zip(starts, ends) if e - s > 1] or [np.zeros(0, int)])
+
+
+def _embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's output and input embedding matrices, float32."""
+    model = target.model
+    return (model.get_output_embeddings().weight.detach().to("cpu", torch.float32),
+            model.get_input_embeddings().weight.detach().to("cpu", torch.float32))
+
+
+def _predictions(hidden: np.ndarray, output_rows: torch.Tensor, chunk: int = 4096) -> np.ndarray:
+    """The target's top-1 prediction at every row (its LM head over the stored hidden states)."""
+    out = np.empty(hidden.shape[0], dtype=np.int64)
+    with torch.inference_mode(), tqdm(total=hidden.shape[0], unit="key", desc="target predictions",
+                                      dynamic_ncols=True) as bar:
+        for s in range(0, hidden.shape[0], chunk):
+            block = torch.from_numpy(np.asarray(hidden[s : s + chunk], dtype=np.float32))
+            out[s : s + block.shape[0]] = (block @ output_rows.T).argmax(-1).numpy()
+            bar.update(block.shape[0])
+    return out
+
+
+def frequent_tokens(labels: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` most frequent labels, most frequent first (ties by token id). Example: ``[3, 1, 3, 2, 1, 3]``,
+    2 → ``[3, 1]``."""
+    counts = np.bincount(labels)
+    seen = np.flatnonzero(counts)
+    order = np.lexsort((seen, -counts[seen]))
+    return seen[order][:n].astype(np.int32)
+
+
+def train_head(hidden: np.ndarray, values: np.ndarray, labels: np.ndarray, pairs: np.ndarray,
+               input_rows: torch.Tensor, output_rows: torch.Tensor, config: HeadBuildConfig
+               ) -> tuple[DraftHead, np.ndarray, dict]:
+    """Train on ``pairs`` (row ``r``: hidden ``r``, next token ``values[r]`` → label ``labels[r + 1]``); the last
+    ``held_out`` share of pairs measures accuracy. Returns the head, its shortlist and the accuracy report."""
+    split = int(round(pairs.shape[0] * (1 - config.held_out)))
+    train, test = pairs[:split], pairs[split:]
+    if train.shape[0] == 0 or test.shape[0] == 0:
+        raise InputError(f"too few positions to train a draft head ({pairs.shape[0]} pairs)")
+    shortlist = frequent_tokens(labels[train + 1], config.shortlist)
+    position = np.full(output_rows.shape[0], -1, dtype=np.int64)
+    position[shortlist] = np.arange(shortlist.shape[0])
+    train = train[position[labels[train + 1]] >= 0]
+    rows = output_rows[torch.from_numpy(shortlist.astype(np.int64))]
+    torch.manual_seed(config.seed)
+    head = DraftHead(hidden.shape[1], config.width)
+    optimiser = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+
+    def batch(ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = torch.from_numpy(np.asarray(hidden[ids], dtype=np.float32))
+        e = input_rows[torch.from_numpy(values[ids].astype(np.int64))]
+        return h, e, torch.from_numpy(position[labels[ids + 1]])
+
+    rng = np.random.default_rng(config.seed)
+    steps = config.epochs * -(-train.shape[0] // config.batch)
+    with tqdm(total=steps, unit="batch", desc="draft head", dynamic_ncols=True) as bar:
+        for _ in range(config.epochs):
+            order = rng.permutation(train)
+            for s in range(0, order.shape[0], config.batch):
+                h, e, y = batch(np.sort(order[s : s + config.batch]))
+                loss = F.cross_entropy(F.linear(head(h, e), rows), y)
+                optimiser.zero_grad()
+                loss.backward()
+                optimiser.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.2f}", refresh=False)
+    head.eval()
+    return head, shortlist, _accuracy(head, rows, batch, test, position, labels)
+
+
+@torch.inference_mode()
+def _accuracy(head: DraftHead, rows: torch.Tensor, batch, test: np.ndarray, position: np.ndarray,
+              labels: np.ndarray) -> dict:
+    """Top-1 and top-4 accuracy on held-out pairs (labels outside the shortlist count as misses), and per
+    confidence bin its share of guesses and their top-1 accuracy."""
+    hits1 = hits4 = 0
+    bins = np.zeros((len(PROBABILITY_BINS) + 1, 2))
+    for s in range(0, test.shape[0], 4096):
+        ids = test[s : s + 4096]
+        h, e, y = batch(ids)
+        probs = torch.softmax(F.linear(head(h, e), rows), dim=-1)
+        top = torch.topk(probs, min(4, probs.shape[1]))
+        right = top.indices[:, 0] == y
+        hits1 += int(right.sum())
+        hits4 += int((top.indices == y[:, None]).any(-1).sum())
+        for p, ok in zip(top.values[:, 0].tolist(), right.tolist()):
+            bins[probability_bin(p)] += (1, ok)
+    n = test.shape[0]
+    return {"held_out_pairs": int(n), "top1": round(hits1 / n, 4), "top4": round(hits4 / n, 4),
+            "by_confidence": [{"share": round(c / n, 4), "top1": round(h / c, 4) if c else None}
+                              for c, h in bins.tolist()]}
+
+
+def _write(target, work: Path, head: DraftHead, shortlist: np.ndarray, output_rows: torch.Tensor, accuracy: dict,
+           config: HeadBuildConfig, sources: list[str], pairs: int, seconds: float) -> dict:
+    state = {k: v.detach().numpy().astype(np.float32) for k, v in head.state_dict().items()}
+    state["rows"] = output_rows[torch.from_numpy(shortlist.astype(np.int64))].numpy().astype(np.float32)
+    arrays = {name: write_array(work, f"{name}.f32", array) for name, array in state.items()}
+    arrays["shortlist"] = write_array(work, "shortlist.i32", shortlist.astype(np.int32))
+    header = new_header(
+        KIND, target.name, target.tokenizer_fingerprint,
+        model={"name": target.name, "fingerprint": target.model_fingerprint, "hidden_size": target.hidden_size},
+        vocab_size=target.vocab_size, eps=head.eps, pairs=pairs, accuracy=accuracy, arrays=arrays,
+        sources=sources, build={**asdict(config), "seconds": round(seconds, 1)},
+    )
+    write_header(work, header)
+    return header
+
+
+def open_head_store(directory: str | Path, target=None) -> HeadStore:
+    """:meth:`HeadStore.open` as a function, for symmetry with the other store kinds."""
+    return HeadStore.open(directory, target)
