@@ -55,6 +55,8 @@ def test_summary_metrics_on_synthetic_runs():
     assert tr["mat"] == pytest.approx(1.0)
     assert p["sigma"] == pytest.approx(1 - 15 / 26)
     assert p["eta"] == pytest.approx(10 / 25)  # target forwards per output token
+    assert p["nothing_accepted"] == pytest.approx(5 / 10)  # the five forwards of [1, 1, 1, 1, 1]
+    assert summary["methods"]["ar"]["nothing_accepted"] == 1.0
     assert summary["methods"]["ar"]["eta"] == pytest.approx(1.0) and summary["methods"]["ar"]["sigma"] == 0.0
 
 
@@ -150,7 +152,7 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
     assert "None: every method produced `ar`'s tokens on every question." in (out / "report.md").read_text()
     # transformers' prompt lookup reports no forwards: its forward-based figures read n/a, not 0
     hf_pld_rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-pld |")]
-    assert hf_pld_rows[0].count("n/a") == 5 and hf_pld_rows[0].endswith("| 1.00 |")
+    assert hf_pld_rows[0].count("n/a") == 6 and hf_pld_rows[0].endswith("| 1.00 |")
     assert hf_pld_rows[2] == "| hf-pld | n/a | n/a |"  # MAT per task (mt_bench, translation)
     hf_ar_row = next(line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-ar |"))
     assert "n/a" not in hf_ar_row

@@ -105,8 +105,9 @@ class MethodRecord:
 
 def aggregate(runs: list[QuestionRun]) -> dict:
     """Totals over runs: tokens/s is total tokens over total time (as Spec-Bench's speed.py), MAT is total tokens
-    over total target forwards, redundancy σ = 1 − accepted/drafted and target utilisation η = target forwards /
-    output tokens (HSDDW section 4.4)."""
+    over total target forwards, redundancy σ = 1 − accepted/drafted, target utilisation η = target forwards /
+    output tokens (HSDDW section 4.4) and the share of forwards that accepted no draft token (added only the
+    target's own token)."""
     tokens = sum(r.new_tokens for r in runs)
     wall = sum(r.wall_time for r in runs)
     forwards = sum(len(r.accept_lengths) for r in runs)
@@ -124,6 +125,7 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "sigma": 1 - accepted / drafted if drafted else 0.0,
         "eta": forwards / tokens if tokens else 0.0,
+        "nothing_accepted": sum(n <= 1 for r in runs for n in r.accept_lengths) / forwards if forwards else 0.0,
         "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
         "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
         "per_source": per_source(runs, forwards),
