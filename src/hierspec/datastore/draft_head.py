@@ -151,17 +151,21 @@ class HeadStore:
         """Run the head's three products on the int4 path's kernels (``Int4Kernels``), its weights rounded to
         ``Q8_0`` (a quarter of float32's bytes: in a decoding step the weights come from memory, not cache, and on
         SmolLM2 the float32 head took ~1 ms of a 13 ms step); ``None`` goes back to float32."""
-        from hierspec.runtime.quantized import Int4Projection, quantize_q8_0
+        from hierspec.runtime.quantized import GROUP, ROW_MULTIPLE, Int4Projection, quantize_q8_0
 
-        if kernels is None:
-            self._quantized = None
+        head = self.head
+        if kernels is None or (2 * self.hidden_size) % GROUP or head.up.out_features % GROUP:
+            self._quantized = None  # the kernels take inputs in groups of 32
             return
 
         def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Projection:
+            padding = -weight.shape[0] % ROW_MULTIPLE  # the kernels pack outputs in tiles of 16 rows
+            if padding:
+                weight = torch.cat([weight, weight.new_zeros(padding, weight.shape[1])])
+                bias = None if bias is None else torch.cat([bias, bias.new_zeros(padding)])
             return Int4Projection([quantize_q8_0(weight)], [bias], kernel=kernels.four_bit,
                                   eight_bit=kernels.eight_bit)
 
-        head = self.head
         self._quantized = (product(head.up.weight, head.up.bias), product(head.down.weight, head.down.bias),
                            product(self.rows, None))
 
@@ -175,8 +179,9 @@ class HeadStore:
             logits = F.linear(self.head(hidden, embedded), self.rows)[0]
         else:
             up, down, rows = self._quantized
-            z = hidden + down(F.silu(up(torch.cat([hidden, embedded], dim=-1))[0]))[0]
-            logits = rows(F.rms_norm(z, (z.shape[-1],), self.head.gain, self.head.eps))[0][0]
+            width, size = self.head.up.out_features, self.hidden_size
+            z = hidden + down(F.silu(up(torch.cat([hidden, embedded], dim=-1))[0][:, :width]))[0][:, :size]
+            logits = rows(F.rms_norm(z, (size,), self.head.gain, self.head.eps))[0][0, : self.shortlist.shape[0]]
         top = torch.topk(logits, min(k, logits.shape[0]))
         probabilities = torch.exp(top.values - torch.logsumexp(logits, dim=0))
         return self._shortlist[top.indices].numpy(), probabilities.numpy()
