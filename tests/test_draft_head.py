@@ -217,3 +217,30 @@ def test_head_on_the_int4_kernels_guesses_as_in_float32(target, store):
     assert same >= 36
     quantized.use_kernels(None)
     assert np.array_equal(quantized.guess(hidden, embeddings[ids[-1]], 3)[0], exact)
+
+
+def test_hd_stops_asking_a_head_whose_guesses_the_tree_never_takes(target, store, monkeypatch):
+    """With a cost curve on which no node pays, the head is asked at steps 1, 3, 7, 15, 23, ... (the wait doubling
+    up to h_gate = 8); with one on which every node pays, at every step."""
+    calls = []
+    real = HeadStore.guess
+
+    def counted(self, *args):
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(HeadStore, "guess", counted)
+    prompt = [4, 9, 17, 3, 22, 8]
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    for cost, every_step in ((lambda rows: float(rows) ** 3, False), (lambda rows: 1.0, True)):
+        calls.clear()
+        drafter = HierarchyDrafter(HierarchyConfig(l=1, m=3, order="ht", explore_every=0, h_gate=8), head=store,
+                                   embeddings=target.input_embeddings(), successors=SuccessorTable(VOCAB, 4),
+                                   cost=cost)
+        result = SpeculativeDecoder(target, drafter).generate(prompt, config)
+        steps = result.stats.target_forwards
+        if every_step:
+            assert len(calls) == steps  # every step's tree took a guess: asked every time
+            assert result.stats.drafted_by_source.get("head", 0) >= steps
+        else:
+            assert steps == 30 and len(calls) == 5  # steps 1, 3, 7, 15, 23

@@ -105,6 +105,10 @@ class HierarchyConfig:
         match_depth: ``a`` and ``o`` draft at most this many tokens per matched token (SuffixDecoding's cap);
             0 = up to ``m``.
         h_width: the draft head's guesses drafted per step (each continued by the successor table).
+        h_gate: (``tree=scored``) after a step whose tree took none of the head's guesses, the head is not asked for
+            one step, and for twice as many after each further such step, up to this many (back to every step when
+            a guess is taken): at 8 concurrent requests trees are mostly empty and a guess per request and step cost
+            7 % of the throughput. 1 asks the head at every step.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -133,6 +137,7 @@ class HierarchyConfig:
     o_max_tokens: int = 100_000
     match_depth: float = 0.0
     h_width: int = 3
+    h_gate: int = 8
 
     def __post_init__(self) -> None:
         if self.tree not in {"scored", "fixed"}:
@@ -141,8 +146,8 @@ class HierarchyConfig:
             raise InputError("hd needs explore_every >= 0 (0: never explore)")
         if min(self.a_min_match, self.o_min_match) < 1 or self.o_max_tokens < 2 or self.match_depth < 0:
             raise InputError("hd needs a_min_match, o_min_match >= 1, o_max_tokens >= 2 and match_depth >= 0")
-        if min(self.candidates, self.t_k, self.t_width, self.flush_every, self.h_width) < 1:
-            raise InputError("hd needs candidates, t_k, t_width, flush_every and h_width >= 1")
+        if min(self.candidates, self.t_k, self.t_width, self.flush_every, self.h_width, self.h_gate) < 1:
+            raise InputError("hd needs candidates, t_k, t_width, flush_every, h_width and h_gate >= 1")
         if min(self.l, self.m, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
             raise InputError("hd needs l, m, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
@@ -325,6 +330,9 @@ class HierarchyDrafter(Drafter):
         self._empty_steps = 0  # steps in a row whose scored tree was empty though candidates existed
         self._backoff = ExplorationBackOff(self.config.explore_every) if self.config.explore_every else None
         self._exploring = False
+        self._head_gate = ExplorationBackOff(1, most=self.config.h_gate)
+        self._head_skipped = 0  # steps since the head was last asked
+        self._head_asked = False
 
     @property
     def sources(self) -> list[str]:
@@ -378,9 +386,25 @@ class HierarchyDrafter(Drafter):
                 # the single node with the best estimate, whatever the cost curve says
                 self._scored = select_tree(root, candidates, self.acceptance, _flat_cost, 1)
                 self._exploring = True
+            if self._head_asked:
+                self._head_gate.record(found=self.head_source in self._scored.tree.sources[1:])
+                self._head_asked = False
             return self._scored.tree
         sequences, sources = self.collect(context)
         return build_tree(root, sequences, sources, budget=min(budget, self.config.n * self.config.m))
+
+    head_source = SOURCE_NAMES["h"]
+
+    def _head_due(self) -> bool:
+        """Whether to ask the head this step (``h_gate``'s back-off; ``tree=fixed`` asks every step)."""
+        if self.config.tree != "scored":
+            return True
+        self._head_skipped += 1
+        if self._head_skipped < self._head_gate.interval:
+            return False
+        self._head_skipped = 0
+        self._head_asked = True
+        return True
 
     def _due_to_explore(self) -> bool:
         """Count one more empty step; True (and the count restarts) when an exploration is due."""
@@ -394,9 +418,12 @@ class HierarchyDrafter(Drafter):
 
     def candidates(self, context: np.ndarray) -> list[Candidate]:
         """Up to ``candidates`` sequences from every database, with confidence bins: each database's own evidence
-        where it has some (shares of counts), else the sequence's rank."""
+        where it has some (shares of counts), else the sequence's rank. The head is asked only when
+        :meth:`_head_due` says so."""
         out = []
         for name, database in self.databases:
+            if database is self.head and not self._head_due():
+                continue
             scored = getattr(database, "retrieve_scored", None)
             found = scored(context, self.config.candidates) if scored is not None else [
                 (seq, rank) for rank, seq in enumerate(database.retrieve(context, self.config.candidates))]
