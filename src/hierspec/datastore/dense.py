@@ -216,11 +216,7 @@ class DenseStore:
         import faiss
 
         directory = Path(directory)
-        header = read_header(directory, KIND)
-        if target is not None:
-            check_tokenizer(header, directory, target.tokenizer_fingerprint, target.name)
-            check_model(header, directory, target.model_fingerprint, target.name)
-        arrays = header_dict(header, "arrays", directory)
+        header, arrays = read_model_specific(directory, KIND, target)
         mean, std, components = (np.array(open_array(directory, arrays.get(k), ("<f4",), ndim=n))
                                  for k, n in (("mean", 1), ("std", 1), ("components", 2)))
         if not (mean.shape == std.shape == components.shape[:1]) or not all(
@@ -277,6 +273,16 @@ class DenseStore:
         """Header plus sizes on disk."""
         files = sorted(p for p in self.directory.iterdir() if p.is_file())
         return {**self.header, "keys": self.size, "bytes_on_disk": sum(p.stat().st_size for p in files)}
+
+
+def read_model_specific(directory: Path, kind: str, target=None) -> tuple[dict, dict]:
+    """The header and its ``arrays`` entry of a store of ``kind`` built from a model's hidden states; with
+    ``target``, a store of another tokenizer or model is refused."""
+    header = read_header(directory, kind)
+    if target is not None:
+        check_tokenizer(header, directory, target.tokenizer_fingerprint, target.name)
+        check_model(header, directory, target.model_fingerprint, target.name)
+    return header, header_dict(header, "arrays", directory)
 
 
 def check_model(header: dict, directory: Path, fingerprint: str, model_name: str) -> None:

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hierspec.datastore.dense import (HIDDEN_FILE, PROGRESS_FILE, VALUES_FILE, DenseBuildConfig, TokenDocument,
-                                      check_model, embed_documents, limit_keys)
-from hierspec.datastore.format import (DatastoreError, check_tokenizer, header_dict, new_header, open_array,
-                                       read_header, write_array, write_header)
+                                      embed_documents, limit_keys, read_model_specific)
+from hierspec.datastore.format import DatastoreError, new_header, open_array, write_array, write_header
 from hierspec.datastore.output import (BUILD_FILE, check_replaceable, claimed_output, put_in_place,
                                        resumable_work_dir)
 from hierspec.errors import InputError
@@ -119,11 +118,7 @@ class HeadStore:
     def open(cls, directory: str | Path, target=None) -> HeadStore:
         """Open and validate a store; with ``target``, refuse one built with another tokenizer or model."""
         directory = Path(directory)
-        header = read_header(directory, KIND)
-        if target is not None:
-            check_tokenizer(header, directory, target.tokenizer_fingerprint, target.name)
-            check_model(header, directory, target.model_fingerprint, target.name)
-        arrays = header_dict(header, "arrays", directory)
+        header, arrays = read_model_specific(directory, KIND, target)
         weights = {name: np.array(open_array(directory, arrays.get(name), ("<f4",), ndim=ndim))
                    for name, ndim in (("up.weight", 2), ("up.bias", 1), ("down.weight", 2), ("down.bias", 1),
                                       ("gain", 1), ("rows", 2))}
