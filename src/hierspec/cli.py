@@ -426,7 +426,7 @@ def _describe_store(header: dict) -> str:
     if header.get("kind") == "head":
         accuracy = header["accuracy"]
         return (f"built draft head: {header['pairs']} training positions, shortlist of "
-                f"{len(header['arrays']) and header['arrays']['shortlist']['shape'][0]} tokens; held-out top-1 "
+                f"{header['arrays']['shortlist']['shape'][0]} tokens; held-out top-1 "
                 f"{accuracy['top1']:.1%}, top-4 {accuracy['top4']:.1%}; {header['build']['seconds']:.1f} s")
     if header.get("kind") == "dense":
         return (f"built dense store: {header['keys']} keys of {header['pca_dim']} dims "

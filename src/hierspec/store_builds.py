@@ -133,21 +133,22 @@ def build_suffix(request: BuildRequest) -> dict:
 
 def build_dense(request: BuildRequest) -> dict:
     """A dense store of the target's hidden states over the request's inputs (model stores' generations included)."""
-    inputs = _checked_inputs(request)
-    target = load_model(config=request.model)
-    documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
-    return build_dense_store(target, documents, request.out_dir, request.dense,
-                             sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite)
+    return _build_from_hidden_states(request, build_dense_store, request.dense)
 
 
 def build_head(request: BuildRequest) -> dict:
     """A draft head trained on the target's hidden states over the request's inputs (rendered as assistant turns
     with ``--chat-template``, as the model generates them)."""
+    return _build_from_hidden_states(request, build_head_store, request.head)
+
+
+def _build_from_hidden_states(request: BuildRequest, builder, config) -> dict:
+    """Load the target and run ``builder`` (a dense or head store's) over the request's inputs as token documents."""
     inputs = _checked_inputs(request)
     target = load_model(config=request.model)
     documents = (doc for path, fmt in inputs for doc in token_documents(target, path, fmt, request.chat_template))
-    return build_head_store(target, documents, request.out_dir, request.head,
-                            sources=[f"{fmt}:{path}" for path, fmt in inputs], overwrite=request.overwrite)
+    return builder(target, documents, request.out_dir, config, sources=[f"{fmt}:{path}" for path, fmt in inputs],
+                   overwrite=request.overwrite)
 
 
 def token_documents(target, path: Path, fmt: str, chat_template: bool = False):

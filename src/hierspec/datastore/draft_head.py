@@ -97,8 +97,10 @@ class DraftHead(torch.nn.Module):
         torch.nn.init.zeros_(self.down.weight)  # starts as the identity on h
         torch.nn.init.zeros_(self.down.bias)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        z = hidden + self.down(F.silu(self.up(torch.cat([hidden, embedded], dim=-1))))
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, up=None, down=None) -> torch.Tensor:
+        """The state ``z``, normalised; ``up`` and ``down`` replace the layer's own products (e.g. quantized)."""
+        up, down = up or self.up, down or self.down
+        z = hidden + down(F.silu(up(torch.cat([hidden, embedded], dim=-1))))
         return F.rms_norm(z, (z.shape[-1],), self.gain, self.eps)
 
 
@@ -112,7 +114,7 @@ class HeadStore:
         self.shortlist = shortlist
         self._shortlist = torch.from_numpy(shortlist.astype(np.int64))
         self.rows = rows
-        self._quantized: tuple | None = None
+        self._quantized: tuple | None = None  # the up, down and shortlist products on the int4 kernels
 
     @classmethod
     def open(cls, directory: str | Path, target=None) -> HeadStore:
@@ -149,17 +151,19 @@ class HeadStore:
         from hierspec.runtime.quantized import GROUP, ROW_MULTIPLE, Int4Projection, quantize_q8_0
 
         head = self.head
-        if kernels is None or (2 * self.hidden_size) % GROUP or head.up.out_features % GROUP:
-            self._quantized = None  # the kernels take inputs in groups of 32
+        if kernels is None or self.hidden_size % GROUP or head.up.out_features % GROUP:
+            self._quantized = None  # the kernels take inputs (2 x hidden, width, hidden) in groups of 32
             return
 
-        def product(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Projection:
-            padding = -weight.shape[0] % ROW_MULTIPLE  # the kernels pack outputs in tiles of 16 rows
+        def product(weight: torch.Tensor, bias: torch.Tensor | None):
+            outputs = weight.shape[0]
+            padding = -outputs % ROW_MULTIPLE  # the kernels pack outputs in tiles of 16 rows
             if padding:
                 weight = torch.cat([weight, weight.new_zeros(padding, weight.shape[1])])
                 bias = None if bias is None else torch.cat([bias, bias.new_zeros(padding)])
-            return Int4Projection([quantize_q8_0(weight)], [bias], kernel=kernels.four_bit,
-                                  eight_bit=kernels.eight_bit)
+            projection = Int4Projection([quantize_q8_0(weight)], [bias], kernel=kernels.four_bit,
+                                        eight_bit=kernels.eight_bit)
+            return lambda rows: projection(rows)[0][:, :outputs]
 
         self._quantized = (product(head.up.weight, head.up.bias), product(head.down.weight, head.down.bias),
                            product(self.rows, None))
@@ -174,9 +178,7 @@ class HeadStore:
             logits = F.linear(self.head(hidden, embedded), self.rows)[0]
         else:
             up, down, rows = self._quantized
-            width, size = self.head.up.out_features, self.hidden_size
-            z = hidden + down(F.silu(up(torch.cat([hidden, embedded], dim=-1))[0][:, :width]))[0][:, :size]
-            logits = rows(F.rms_norm(z, (size,), self.head.gain, self.head.eps))[0][0, : self.shortlist.shape[0]]
+            logits = rows(self.head(hidden, embedded, up, down))[0]
         top = torch.topk(logits, min(k, logits.shape[0]))
         probabilities = torch.exp(top.values - torch.logsumexp(logits, dim=0))
         return self._shortlist[top.indices].numpy(), probabilities.numpy()
@@ -245,9 +247,7 @@ def training_pairs(keys_per_document: list[int]) -> np.ndarray:
 
 def _embeddings(target) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's output and input embedding matrices, float32."""
-    model = target.model
-    return (model.get_output_embeddings().weight.detach().to("cpu", torch.float32),
-            model.get_input_embeddings().weight.detach().to("cpu", torch.float32))
+    return target.model.get_output_embeddings().weight.detach().to("cpu", torch.float32), target.input_embeddings()
 
 
 def _predictions(hidden: np.ndarray, output_rows: torch.Tensor, chunk: int = 4096) -> np.ndarray:
