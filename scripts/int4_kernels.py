@@ -4,6 +4,7 @@
     python scripts/int4_kernels.py forward [--model M] [--rounds 7]   # a real file's projections, in forward order
     python scripts/int4_kernels.py curves [--model M] [--rounds 3]    # whole verification forwards per kernel
     python scripts/int4_kernels.py halves [--model M] [--int4-kernel torch] [--rounds 4]
+    python scripts/int4_kernels.py attention [--model M] [--int4-kernel amx] [--rounds 4]
 
 ``products`` times every kernel that runs here (PyTorch's, hierspec's compiled one, the AMX one) on the shapes of
 one SmolLM2-135M forward (30 layers' q/k/v, output, gate/up and down products and the two-pass Q8_0 head) at 1–16
@@ -14,6 +15,8 @@ curve (1–32 tokens), interleaved over ``--rounds``. Run it with ``ATEN_CPU_CAP
 kernels; the compiled kernel then still uses this CPU's widest instructions (BENCHMARKS.md shows an AVX2 build of
 it beside them). ``halves`` loads the model twice — one decoder with its compiled layer halves, one running
 operation by operation — and prints both verification cost curves, interleaved over ``--rounds``.
+``attention`` loads the model twice — one decoder running each layer as one compiled call with its exact attention
+(``int4_attention.cpp``), one running the layer halves around the numba kernel — and prints both curves.
 """
 
 from __future__ import annotations
@@ -135,9 +138,21 @@ def halves(model: str | None, kernel: str, rounds: int) -> None:
     _print_curves(arms, ROWS, rounds)
 
 
+def attention(model: str | None, kernel: str, rounds: int) -> None:
+    """Each int4 layer as one compiled call with its exact attention (``int4_attention.cpp``) against the layer
+    halves around the numba kernel (``exact_attention.py``)."""
+    arms = {name: load_model(config=ModelConfig(spec=model, threads=torch.get_num_threads(), int4_kernel=kernel))
+            for name in ("compiled", "numba")}
+    fused = arms["numba"].runtime.decoder and arms["numba"].runtime.decoder._fused
+    if not fused or not fused.attends:
+        raise SystemExit("this model does not run the int4 path with compiled exact attention here")
+    fused.attends = False
+    _print_curves(arms, ROWS + (32,), rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["products", "forward", "curves", "halves"])
+    parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention"])
     parser.add_argument("--model", default=None)
     parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch", "amx"])
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
@@ -151,8 +166,10 @@ def main() -> None:
         forward(args.model, args.rounds or 7)
     elif args.what == "curves":
         curves(args.model, args.rounds or 3)
-    else:
+    elif args.what == "halves":
         halves(args.model, args.int4_kernel, args.rounds or 4)
+    else:
+        attention(args.model, args.int4_kernel, args.rounds or 4)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def machine_identity(target: TargetModel) -> dict:
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
-            **_int4_kernels(target)}
+            "layers": target.runtime.layer_calls, **_int4_kernels(target)}
 
 
 def _int4_kernels(target: TargetModel) -> dict:
@@ -137,7 +137,9 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     four, eight = ident.get("int4_kernel"), ident.get("int8_kernel")
     kernel = (f"|{four}" if four in ("compiled", "amx") else "") + (
         f"|int8-{eight}" if eight in ("compiled", "amx") else "")
-    setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}"
+    # whole compiled layers with their exact attention cost less per row than the halves: their curves are their own
+    layers = "|compiled-exact" if ident.get("layers") == "compiled-exact" else ""
+    setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}"
     setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
     name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
             f"-{setting}.json")

@@ -210,7 +210,20 @@ class Runtime:
                 "attention": "exact" if self.exact else "sdpa",
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
-                "graphs_captured": self.graphed.captures if self.graphed is not None else 0}
+                "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
+                "layers": self.layer_calls}
+
+    @property
+    def layer_calls(self) -> str:
+        """How the owned decoder's layers run: ``"compiled-exact"`` (each layer one compiled call with its exact
+        attention), ``"compiled-halves"`` (compiled halves around attention), ``"python"`` (operation by operation)
+        or ``"transformers"``."""
+        fused = self.decoder._fused if self.decoder is not None else None
+        if self.decoder is None:
+            return "transformers"
+        if fused is None:
+            return "python"
+        return "compiled-exact" if self.exact and fused.attends else "compiled-halves"
 
     def new_cache(self, capacity: int | None = None) -> TreeCache | StaticTreeCache:
         """An empty KV cache with room for ``capacity`` entries.

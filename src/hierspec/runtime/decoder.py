@@ -183,8 +183,13 @@ class LlamaFamilyDecoder:
         segments = [] if slots is not None else segments if exact else [
             Segment(s.start, s.stop, additive_mask(s.mask, self.embedding.dtype), s.cache) for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
+        compiled = self._compiled_exact(segments, plans, pooled, rows) if exact and self._fused is not None else None
+        if compiled is not None:
+            for layer, (keys, values) in zip(self.layers, compiled.buffers):
+                hidden = self._fused.exact_layer(layer, hidden, cos, sin, keys, values, compiled)
+        else:
+            for index, layer in enumerate(self.layers):
+                hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
         if slots is not None:
             finish_slot_batch(slots)
         if not (want_logits or want_hidden):
@@ -219,6 +224,29 @@ class LlamaFamilyDecoder:
             return None
         writes = plan_slot_writes([s.cache for s in segments], [(s.start, s.stop) for s in segments])
         return writes, ExactPlan.concatenate(plans, writes.slot_index.numpy() * self.kv_heads)
+
+    def _compiled_exact(self, segments: Sequence[Segment], plans: Sequence[ExactPlan],
+                        pooled: tuple[SlotWrites, ExactPlan] | None, rows: int) -> CompiledExact | None:
+        """Where the compiled layers attend exactly over float32 caches (one sequence's, or a pool's slots): their
+        buffers and where this forward's rows go. ``None`` elsewhere (several sequences in separate caches; other
+        dtypes), which the Python layers serve."""
+        if not self._fused.attends:
+            return None
+        if pooled is not None:
+            writes, plan = pooled
+            if writes.pool.keys[0].dtype != torch.float32:
+                return None
+            buffers = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in zip(writes.pool.keys, writes.pool.values)]
+            return CompiledExact(buffers, writes.slot_index * self.kv_heads, writes.position_index, plan)
+        cache = segments[0].cache
+        if len(segments) != 1 or not hasattr(cache, "reserve") or any(
+                layer.is_initialized and (layer.dtype != torch.float32 or layer.keys.shape[0] != 1)
+                for layer in cache.layers):
+            return None
+        like = self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim))
+        start, buffers = cache.reserve(rows, like)
+        return CompiledExact(buffers, torch.zeros(rows, dtype=torch.long), torch.arange(start, start + rows),
+                             plans[0])
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment], rows: int, slots: SlotBatch | SlotWrites | None = None,
@@ -295,6 +323,22 @@ class LlamaFamilyDecoder:
         self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
 
+@dataclass
+class CompiledExact:
+    """What the compiled layers' exact attention reads besides each layer's inputs: every layer's key and value
+    buffers ``[blocks, slots, head_dim]``, the block and slot each row's key and value go to (for key/value head
+    ``h``: block ``write_blocks[r] + h``), and the rows' plan as tensors."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    write_blocks: torch.Tensor
+    write_slots: torch.Tensor
+    plan: ExactPlan
+
+    def __post_init__(self) -> None:
+        self.indptr, self.indices, self.blocks = (torch.from_numpy(a) for a in (
+            self.plan.indptr, self.plan.indices, self.plan.blocks))
+
+
 class Int4Layers:
     """An int4 decoder's two layer halves around attention as one compiled call each
     (:mod:`~hierspec.runtime.int4_kernel`'s ``attention_inputs`` and ``mlp_block``): the same operations as
@@ -306,6 +350,9 @@ class Int4Layers:
     def __init__(self, module, decoder: LlamaFamilyDecoder) -> None:
         self._module = module
         self._decoder = decoder
+        #: whether exact-attention forwards run each whole layer as one call (:meth:`exact_layer`); else the halves
+        #: around :mod:`~hierspec.runtime.exact_attention`'s kernel
+        self.attends = hasattr(module, "exact_layer")
 
     @classmethod
     def for_decoder(cls, decoder: LlamaFamilyDecoder) -> Int4Layers | None:
@@ -327,6 +374,17 @@ class Int4Layers:
         d = self._decoder
         return tuple(self._module.attention_inputs(hidden, layer.norm1, d.eps, layer.qkv.native, layer.qkv.bias, cos,
                                                    sin, d.heads, d.kv_heads, d.head_dim))
+
+    def exact_layer(self, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    keys: torch.Tensor, values: torch.Tensor, compiled: CompiledExact) -> torch.Tensor:
+        """A whole layer in one call: :meth:`attention_inputs`, the rows' keys and values written into ``keys`` and
+        ``values``, exact attention over them (``int4_attention.cpp``), :meth:`mlp`."""
+        d = self._decoder
+        return self._module.exact_layer(hidden, layer.norm1, d.eps, layer.qkv.native, layer.qkv.bias, cos, sin,
+                                        d.heads, d.kv_heads, d.head_dim, keys, values, compiled.write_blocks,
+                                        compiled.write_slots, compiled.indptr, compiled.indices, compiled.blocks,
+                                        d.scaling, layer.norm2, layer.out.native, layer.gate_up.native,
+                                        layer.down.native, layer.gate_up.widths[0])
 
     def mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return self._module.mlp_block(hidden, attended, layer.norm2, self._decoder.eps, layer.out.native,

@@ -261,6 +261,22 @@ torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attend
                         const std::vector<std::vector<torch::Tensor>>& gate_up,
                         const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
+// int4_attention.cpp
+torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                              const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
+                              const torch::Tensor& write_slots, const torch::Tensor& indptr,
+                              const torch::Tensor& indices, const torch::Tensor& blocks, double scale);
+torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
+                          const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,
+                          const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
+                          int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
+                          const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
+                          const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
+                          double scale, const torch::Tensor& norm2,
+                          const std::vector<std::vector<torch::Tensor>>& out,
+                          const std::vector<std::vector<torch::Tensor>>& gate_up,
+                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
   m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
@@ -269,4 +285,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
+  m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
+  m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
 }

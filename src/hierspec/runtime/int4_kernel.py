@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
-           Path(__file__).with_name("int4_amx.cpp"))
+           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"))
 #: included by both sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"),)
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the

@@ -62,6 +62,24 @@ class GrowableLayer(CacheLayerMixin):
         self.length = end
         return self._keys[:, :, :visible], self._values[:, :, :visible]
 
+    def reserve(self, count: int, like: torch.Tensor) -> int:
+        """Make room for ``count`` entries after the held ones and count them as held (a caller writes them into
+        :meth:`buffers`); return the first one's slot. ``like``: ``[1, kv_heads, any, head_dim]`` of the entries'
+        dtype, for a layer's first allocation."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        start = self.length
+        if start + count > self.capacity:
+            self._grow(start + count)
+        self.length = start + count
+        return start
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys' and values' whole buffers of a one-sequence layer, ``[kv_heads, capacity, head_dim]`` each."""
+        if self._keys.shape[0] != 1:
+            raise ValueError("buffers() is for a cache of one sequence")
+        return self._keys[0], self._values[0]
+
     def keep(self, start: int, offsets: torch.Tensor) -> None:
         """Keep entries ``start + offsets`` (ascending, ``offsets[i] >= i``) as entries ``start .. start + len - 1``
         and drop everything after them."""
@@ -160,6 +178,14 @@ class TreeCache(Cache):
         finally:
             for layer in self.layers:
                 layer.align = 1
+
+    def reserve(self, count: int, like: torch.Tensor) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """:meth:`GrowableLayer.reserve` on every layer: the first new entry's slot and each layer's
+        :meth:`GrowableLayer.buffers` (taken after every layer has grown: a slot pool grows all of them at once)."""
+        starts = {layer.reserve(count, like) for layer in self.layers}
+        if len(starts) != 1:
+            raise ValueError("the cache's layers hold different numbers of entries")
+        return starts.pop(), [layer.buffers() for layer in self.layers]
 
     @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor) -> None:

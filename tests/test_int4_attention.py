@@ -1,0 +1,167 @@
+"""The int4 decoder's compiled exact attention (``int4_attention.cpp``): every tree row bit-identical to the same row
+alone at the end of its path, on one thread or two, in one sequence's cache or a pool's; close to the numba kernel;
+bad plans refused; the int4 decoder's layers run through it."""
+
+import numpy as np
+import pytest
+import torch
+
+from hierspec.runtime import int4_kernel
+from hierspec.runtime.decoder import Int4Layers
+from hierspec.runtime.exact_attention import ExactPlan, exact_attention
+from hierspec.tree import build_tree
+from test_exact_attention import _ancestry
+from test_quantized import _int4_target, _tiny
+from tiny import assert_tree_rows_equal_chains
+
+HEADS, KV_HEADS, DIM = 9, 3, 64
+SCALE = DIM ** -0.5
+
+
+@pytest.fixture(scope="module")
+def module():
+    compiled, reason = int4_kernel.compiled_kernel()
+    if compiled is None:
+        pytest.skip(reason)
+    return compiled
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _tensors(plan: ExactPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(plan.indptr), torch.from_numpy(plan.indices), torch.from_numpy(plan.blocks)
+
+
+def _attend(module, query, key, value, keys, values, write_blocks, write_slots, mask, blocks=None):
+    plan = ExactPlan(mask)
+    if blocks is not None:
+        plan.blocks = np.ascontiguousarray(blocks, dtype=np.int64)
+    return module.exact_attention(query, key, value, keys, values, write_blocks, write_slots, *_tensors(plan), SCALE)
+
+
+def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_written(module, threads):
+    gen = torch.Generator().manual_seed(threads)
+    for _ in range(6):
+        past = int(torch.randint(0, 1500, (1,), generator=gen))
+        nodes = int(torch.randint(2, 24, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
+        capacity = past + nodes + 40
+        cache_k, cache_v = (torch.randn(KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
+        node_k, node_v = (torch.randn(1, KV_HEADS, nodes, DIM, generator=gen) for _ in range(2))
+        # queries as the layer hands them: a view of [1, rows, heads, dim] with heads and rows transposed
+        node_q = torch.randn(1, nodes, HEADS, DIM, generator=gen).transpose(1, 2)
+        mask = torch.zeros(nodes, capacity, dtype=torch.bool)
+        mask[:, :past] = True
+        for node in range(nodes):
+            mask[node, [past + a for a in _ancestry(parents, node)]] = True
+        keys, values = cache_k.clone(), cache_v.clone()
+        tree = _attend(module, node_q, node_k, node_v, keys, values, torch.zeros(nodes, dtype=torch.long),
+                       torch.arange(past, past + nodes), mask)
+        assert torch.equal(keys[:, past : past + nodes], node_k[0]) and torch.equal(values[:, :past], cache_v[:, :past])
+        reference = exact_attention(node_q.double(), keys[None].double(), values[None].double(), ExactPlan(mask), SCALE)
+        torch.testing.assert_close(tree.double(), reference, rtol=1e-5, atol=1e-6)
+        for node in range(nodes):
+            path = _ancestry(parents, node)
+            keys, values = cache_k.clone(), cache_v.clone()  # the path's earlier tokens already cached, as a chain
+            keys[:, past : past + len(path) - 1] = node_k[0, :, path[:-1]]
+            values[:, past : past + len(path) - 1] = node_v[0, :, path[:-1]]
+            alone = torch.zeros(1, capacity, dtype=torch.bool)
+            alone[:, : past + len(path)] = True
+            row = _attend(module, node_q[:, :, node : node + 1], node_k[:, :, node : node + 1],
+                          node_v[:, :, node : node + 1], keys, values, torch.zeros(1, dtype=torch.long),
+                          torch.tensor([past + len(path) - 1]), alone)
+            assert torch.equal(row[0], tree[node]), f"past {past}, node {node} of {nodes}"
+
+
+def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone(module, threads):
+    gen = torch.Generator().manual_seed(11)
+    slots, capacity = 4, 700
+    pool_k, pool_v = (torch.randn(slots * KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
+    inputs, alone, used = [], [], [0, 1, 3]  # slot 2 holds another sequence's keys, neither read nor written
+    for slot in used:
+        past, rows = int(torch.randint(1, 600, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        mask = torch.zeros(rows, capacity, dtype=torch.bool)
+        mask[:, :past] = True
+        mask[:, past : past + rows] = torch.tril(torch.rand(rows, rows, generator=gen) < 0.6) | torch.eye(
+            rows, dtype=torch.bool)
+        query, key, value = (torch.randn(1, n, rows, DIM, generator=gen) for n in (HEADS, KV_HEADS, KV_HEADS))
+        block = torch.full((rows,), slot * KV_HEADS)
+        keys, values = (b[slot * KV_HEADS : (slot + 1) * KV_HEADS].clone() for b in (pool_k, pool_v))
+        alone.append(_attend(module, query, key, value, keys, values, torch.zeros(rows, dtype=torch.long),
+                             torch.arange(past, past + rows), mask))
+        inputs.append((query, key, value, block, torch.arange(past, past + rows), mask))
+    query, key, value = (torch.cat([i[n] for i in inputs], dim=2) for n in range(3))
+    blocks, positions = torch.cat([i[3] for i in inputs]), torch.cat([i[4] for i in inputs])
+    untouched = pool_k[2 * KV_HEADS : 3 * KV_HEADS].clone()
+    plan = ExactPlan.concatenate([ExactPlan(i[5]) for i in inputs], blocks.numpy())
+    together = module.exact_attention(query, key, value, pool_k, pool_v, blocks, positions, *_tensors(plan), SCALE)
+    assert torch.equal(together, torch.cat(alone))
+    assert torch.equal(pool_k[2 * KV_HEADS : 3 * KV_HEADS], untouched)
+
+
+def test_plans_that_read_or_write_outside_the_buffers_are_refused(module):
+    keys, values = torch.zeros(KV_HEADS, 16, DIM), torch.zeros(KV_HEADS, 16, DIM)
+    query, key = torch.zeros(1, HEADS, 1, DIM), torch.zeros(1, KV_HEADS, 1, DIM)
+    zero = torch.zeros(1, dtype=torch.long)
+    indptr = torch.tensor([0, 2])
+    with pytest.raises(RuntimeError, match="attended slot outside"):
+        module.exact_attention(query, key, key, keys, values, zero, zero, indptr, torch.tensor([0, 16]), zero, SCALE)
+    with pytest.raises(RuntimeError, match="written slot outside"):
+        module.exact_attention(query, key, key, keys, values, zero, torch.tensor([16]), indptr, torch.tensor([0, 1]),
+                               zero, SCALE)
+    with pytest.raises(RuntimeError, match="block outside"):
+        module.exact_attention(query, key, key, keys, values, zero, zero, indptr, torch.tensor([0, 1]),
+                               torch.tensor([1]), SCALE)
+    with pytest.raises(RuntimeError, match="at least one key"):
+        module.exact_attention(query, key, key, keys, values, zero, zero, torch.tensor([0, 0]),
+                               torch.zeros(0, dtype=torch.long), zero, SCALE)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.exact_attention(query.double(), key, key, keys, values, zero, zero, indptr, torch.tensor([0, 1]),
+                               zero, SCALE)
+
+
+def test_the_int4_decoder_runs_each_layer_as_one_compiled_call_close_to_the_python_layers(module, tmp_path,
+                                                                                          monkeypatch):
+    # float32 products: the AMX ones round their inputs to bfloat16, where a last-bit difference in attention may
+    # move a tiny random model's logits by ~1e-3 of their scale
+    target = _int4_target(*_tiny(tmp_path), "compiled", attention="exact")
+    decoder = target.runtime.decoder
+    if decoder._fused is None:
+        pytest.skip("the compiled layer halves are not used here")
+    assert decoder._fused.attends
+    calls = []
+    original = Int4Layers.exact_layer
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Int4Layers, "exact_layer", counted)
+    prompt, chain = [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3]
+
+    tree = build_tree(chain[0], [chain[1:], [4, 4], [9, 1, 2]])
+
+    def forward() -> torch.Tensor:
+        cache = target.runtime.new_cache()
+        target.runtime.prefill(cache, prompt)
+        logits, _ = target.runtime.forward_tree(cache, tree)
+        assert cache.get_seq_length() == len(prompt) + target.runtime.rows_for(tree.size)
+        return logits
+
+    compiled = forward()
+    assert len(calls) == len(decoder.layers)
+    decoder._fused.attends = False
+    python = forward()
+    assert len(calls) == len(decoder.layers)
+    torch.testing.assert_close(compiled, python, rtol=1e-4, atol=1e-4)  # measured 2e-5
+    assert torch.equal(compiled.argmax(-1), python.argmax(-1))
+
+
+def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_path):
+    assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), attention="exact"))
