@@ -251,6 +251,26 @@ def test_api_accepts_stop_none_and_one_datastore_path(target, tmp_path):
         hierspec.generate(target, "w1 \udcff", method="ar", raw=True)
 
 
+def test_repeated_api_calls_open_a_store_once_and_a_new_model_gets_its_own(target, tmp_path, monkeypatch):
+    store = str(_suffix_store(tmp_path))
+    opened = []
+    original = SuffixStore.open
+
+    def counted(*args, **kwargs):
+        opened.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(SuffixStore, "open", counted)
+    reference = hierspec.generate(target, "w1 w2 w3", method="ar", raw=True, max_new_tokens=6)
+    for _ in range(3):
+        result = hierspec.generate(target, "w1 w2 w3", method="rest", raw=True, max_new_tokens=6, datastores=[store])
+        assert result.token_ids == reference.token_ids
+    assert len(opened) == 1
+    other = make_target("llama", vocab_size=target.vocab_size, seed=9)
+    hierspec.generate(other, "w1 w2 w3", method="rest", raw=True, max_new_tokens=6, datastores=[store])
+    assert len(opened) == 2
+
+
 # ---------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def chat_target():

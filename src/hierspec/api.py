@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 from hierspec.batching import BatchConfig, decode_batch
@@ -24,6 +26,13 @@ def _decoder(model: TargetModel, method: str | Drafter, datastores) -> Speculati
     return SpeculativeDecoder(model, make_drafter(method, _context(model, datastores)))
 
 
+#: one drafter context per loaded model and datastore list, so that repeated calls open stores and draft models once
+#: (~70 ms a call for SmolLM2's default stores, seconds for a draft model) and keep what learns across generations,
+#: as the server does; dropped with the model
+_CONTEXTS: weakref.WeakKeyDictionary[TargetModel, dict[tuple[str, ...], DrafterContext]] = weakref.WeakKeyDictionary()
+_CONTEXTS_LOCK = threading.Lock()
+
+
 def _context(model: TargetModel, datastores) -> DrafterContext:
     if not isinstance(model, TargetModel):
         raise InputError(f"model must be a loaded hierspec model (hierspec.load_model()), not {type(model).__name__}")
@@ -31,7 +40,12 @@ def _context(model: TargetModel, datastores) -> DrafterContext:
         datastores = (datastores,)  # one directory, not a sequence of characters
     if not all(isinstance(d, (str, os.PathLike)) for d in datastores):
         raise InputError("datastores must be directory paths")
-    return DrafterContext(model, tuple(map(str, datastores)))
+    key = tuple(map(str, datastores))
+    with _CONTEXTS_LOCK:
+        contexts = _CONTEXTS.setdefault(model, {})
+        if key not in contexts:
+            contexts[key] = DrafterContext(model, key)
+        return contexts[key]
 
 
 def make_config(
@@ -76,7 +90,9 @@ def generate(
         prompt: user text; wrapped in the chat template unless ``raw``.
         method: a method name such as ``"ar"``, ``"pld:max_ngram=4"`` or ``"rest"``, or a drafter instance.
         datastores: datastore directories for methods that use them (``rest`` takes a ``suffix`` store); one path
-            may be given as a string.
+            may be given as a string. Stores and draft models are opened by the first call for a loaded model and
+            these directories, and reused by later calls (with what learns across generations: ``hd``'s successor
+            table and earlier outputs); a store rebuilt in place is read after loading the model again.
         options: :func:`make_config` keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
             ``stop``, ``max_draft_tokens``).
     """
