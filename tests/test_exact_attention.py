@@ -27,6 +27,17 @@ def _ancestry(parents: list[int], node: int) -> list[int]:
     return path[::-1]
 
 
+def random_sequence_mask(gen: torch.Generator, capacity: int) -> tuple[int, int, torch.Tensor]:
+    """A sequence of 1–599 cached tokens under 1–5 new rows, each attending the cache, itself and a random subset of
+    the rows before it: ``(past, rows, mask [rows, capacity])``."""
+    past, rows = int(torch.randint(1, 600, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+    mask = torch.zeros(rows, capacity, dtype=torch.bool)
+    mask[:, :past] = True
+    mask[:, past : past + rows] = torch.tril(torch.rand(rows, rows, generator=gen) < 0.6) | torch.eye(
+        rows, dtype=torch.bool)
+    return past, rows, mask
+
+
 def _attend(query, keys, values, mask):
     return exact_attention(query, keys, values, ExactPlan(mask), DIM ** -0.5)
 
@@ -175,11 +186,7 @@ def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone():
     pool_k, pool_v = (torch.randn(slots, KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
     plans, queries, alone, used = [], [], [], [0, 1, 3]  # slot 2 holds another sequence's keys, never read
     for slot in used:
-        past, rows = int(torch.randint(1, 600, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
-        mask = torch.zeros(rows, capacity, dtype=torch.bool)
-        mask[:, :past] = True
-        mask[:, past : past + rows] = torch.tril(torch.rand(rows, rows, generator=gen) < 0.6) | torch.eye(
-            rows, dtype=torch.bool)
+        past, rows, mask = random_sequence_mask(gen, capacity)
         query = torch.randn(1, HEADS, rows, DIM, generator=gen)
         plans.append(ExactPlan(mask))
         queries.append(query)

@@ -10,7 +10,7 @@ from hierspec.runtime import int4_kernel
 from hierspec.runtime.decoder import Int4Layers
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.tree import build_tree
-from test_exact_attention import _ancestry
+from test_exact_attention import _ancestry, random_sequence_mask
 from test_quantized import _int4_target, _tiny
 from tiny import assert_tree_rows_equal_chains
 
@@ -85,11 +85,7 @@ def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone(module, th
     pool_k, pool_v = (torch.randn(slots * KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
     inputs, alone, used = [], [], [0, 1, 3]  # slot 2 holds another sequence's keys, neither read nor written
     for slot in used:
-        past, rows = int(torch.randint(1, 600, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
-        mask = torch.zeros(rows, capacity, dtype=torch.bool)
-        mask[:, :past] = True
-        mask[:, past : past + rows] = torch.tril(torch.rand(rows, rows, generator=gen) < 0.6) | torch.eye(
-            rows, dtype=torch.bool)
+        past, rows, mask = random_sequence_mask(gen, capacity)
         query, key, value = (torch.randn(1, n, rows, DIM, generator=gen) for n in (HEADS, KV_HEADS, KV_HEADS))
         block = torch.full((rows,), slot * KV_HEADS)
         keys, values = (b[slot * KV_HEADS : (slot + 1) * KV_HEADS].clone() for b in (pool_k, pool_v))

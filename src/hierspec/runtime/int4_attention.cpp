@@ -19,17 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_layers.h"
 #include "int4_vectors.h"
-
-std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
-                                            const std::vector<std::vector<torch::Tensor>>& qkv,
-                                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
-                                            const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim);
-torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
-                        double eps, const std::vector<std::vector<torch::Tensor>>& out,
-                        const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
 namespace {
 

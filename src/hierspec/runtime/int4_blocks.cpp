@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_layers.h"
 #include "int4_vectors.h"
 
 torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,

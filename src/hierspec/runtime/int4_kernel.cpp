@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int4_layers.h"
 #include "int4_vectors.h"
 
 namespace {
@@ -248,34 +249,6 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
 bool amx_ready();
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias);
-
-// int4_blocks.cpp
-torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps);
-std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
-                                            const std::vector<std::vector<torch::Tensor>>& qkv,
-                                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
-                                            const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim);
-torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
-                        double eps, const std::vector<std::vector<torch::Tensor>>& out,
-                        const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
-
-// int4_attention.cpp
-torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                              const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
-                              const torch::Tensor& write_slots, const torch::Tensor& indptr,
-                              const torch::Tensor& indices, const torch::Tensor& blocks, double scale);
-torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
-                          const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,
-                          const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                          int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
-                          const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                          const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                          double scale, const torch::Tensor& norm2,
-                          const std::vector<std::vector<torch::Tensor>>& out,
-                          const std::vector<std::vector<torch::Tensor>>& gate_up,
-                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");

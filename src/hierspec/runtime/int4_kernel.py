@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 #: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
            Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"))
-#: included by both sources: part of what a build depends on
-HEADERS = (Path(__file__).with_name("int4_vectors.h"),)
+#: included by the sources: part of what a build depends on
+HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
