@@ -25,7 +25,7 @@ LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "at
                  "ffn_down": "mlp.down_proj"}
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_decoded_blocks_equal_gguf_dequantization_bit_for_bit(kind):
     rng = np.random.default_rng(0)
     data = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, size=(48, 1))).astype(np.float32)
@@ -33,7 +33,7 @@ def test_decoded_blocks_equal_gguf_dequantization_bit_for_bit(kind):
     qtype = GGMLQuantizationType[kind]
     raw = quantize(data, qtype)
     passes = q.decode_blocks(kind, raw, 48, 96)
-    assert len(passes) == (2 if kind == "Q8_0" else 1)
+    assert len(passes) == (2 if kind in ("Q8_0", "Q5_0") else 1)
     for weight in passes:
         assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15
     decoded = sum(p.dequantize() for p in passes)
@@ -65,7 +65,7 @@ def test_k_quant_blocks_decode_to_gguf_dequantization_bit_for_bit(kind):
     assert torch.equal(sum(p.dequantize() for p in passes), torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
 def test_eight_bit_weights_rebuild_exactly_from_their_passes(kind):
     """The compiled kernel's 8-bit form (signed codes, a scale per 16 inputs) is the file's weight bit for bit."""
     rng = np.random.default_rng(4)
@@ -177,7 +177,7 @@ def test_a_k_quant_file_runs_its_model_on_the_int4_path_and_every_method_equals_
                                                GenerationConfig(max_new_tokens=30, stop_at_eos=False))
 
 
-@pytest.mark.parametrize("layer_kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("layer_kind", ["Q4_0", "Q4_1", "Q5_0"])
 def test_a_gguf_files_weights_decode_to_exactly_the_dequantized_model(tmp_path, layer_kind):
     model, path = _tiny(tmp_path, layer_kind=layer_kind)
     weights, reason = q.read_gguf_weights(path, model.config)
@@ -332,6 +332,19 @@ def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path, prefi
     accepted = _accepted_drafts_of_methods_equal_to_plain(
         _int4_target(*_tiny(tmp_path), kernel), ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
         GenerationConfig(max_new_tokens=40, stop_at_eos=False))
+    assert accepted > 0
+
+
+def test_a_q5_0_file_runs_on_the_int4_path_as_8_bit_codes_and_every_method_equals_plain_decoding(tmp_path, kernel):
+    """Most of Qwen2.5-Coder-0.5B's Q4_K_M file is Q5_0 (rows of 896 are no whole number of K-quant blocks)."""
+    model, path = _tiny(tmp_path, layer_kind="Q5_0")
+    weights, reason = q.read_gguf_weights(path, model.config)
+    assert reason is None and all(len(passes) == 2 for passes in weights.values())  # the 8-bit form, as Q8_0
+    target = _int4_target(model, path, kernel)
+    methods = ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off")
+    accepted = _accepted_drafts_of_methods_equal_to_plain(
+        target, ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
+        GenerationConfig(max_new_tokens=30, stop_at_eos=False))
     assert accepted > 0
 
 

@@ -11,6 +11,9 @@ are 32 elements too, so the file's codes are kept exactly:
 * ``Q4_1`` (``w = q * d + m``): code ``q``, scale ``d``, zero ``m + 8 d``;
 * ``Q8_0`` (``w = q * d``, ``q`` a signed byte): two 4-bit passes whose sum is ``q * d`` — the high nibble with scale
   ``16 d`` and the low nibble with zero ``8 d``;
+* ``Q5_0`` (``w = (q - 16) * d``, a 5-bit ``q``; what llama.cpp writes where a row is not a whole number of K-quant
+  super-blocks, e.g. most of Qwen2.5-Coder-0.5B's ``Q4_K_M`` file): the signed value ``q - 16`` as ``Q8_0``'s two
+  passes, so the kernels multiply it as 8-bit codes;
 * ``Q4_K`` (256-element super-blocks of eight 32-element sub-blocks, ``w = d sc q - dmin m``): code ``q``, scale
   ``d sc``, zero ``8 d sc - dmin m``;
 * ``Q6_K`` (sixteen 16-element sub-blocks, ``w = D (q - 32)`` with ``D = d sc`` and a 6-bit ``q = l + 16 h``): four
@@ -25,8 +28,8 @@ Decoded in float32, every one of these reproduces ``gguf``'s own dequantization 
 (``tests/test_quantized.py``). The kernel takes its scales and offsets in bfloat16 and returns bfloat16 products, so
 the model that runs is the file's codes with scales rounded to bfloat16 and bfloat16 activations at each product —
 the same model for every method and every row count (the kernel is row-invariant), which is what "lossless" is
-measured against on this path. Other block types (``Q5_K``, ``Q3_K``, …) are not supported yet: such files run
-dequantized, with the reason logged.
+measured against on this path. Other block types (``Q5_1``, ``Q5_K``, ``Q3_K``, …) are not supported yet: such
+files run dequantized, with the reason logged.
 """
 
 from __future__ import annotations
@@ -54,9 +57,9 @@ GROUP = 32
 #: elements per K-quant super-block
 SUPER_BLOCK = 256
 #: GGUF block types this module keeps quantized
-SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 #: bytes per block of each supported type
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
 #: the decoded-weights cache beside a GGUF file's converted weights
 CACHE_FILE = "int4-weights.safetensors"
 CACHE_MAGIC = "hierspec-int4-weights"
@@ -152,8 +155,8 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4
     if kind == "Q6_K":
         return _q6_k_passes(blocks)
     scale = _halves(blocks[..., :2])
-    if kind == "Q8_0":
-        values = blocks[..., 2:].copy().view(np.int8).astype(np.int16)
+    if kind in ("Q8_0", "Q5_0"):
+        values = blocks[..., 2:].copy().view(np.int8).astype(np.int16) if kind == "Q8_0" else _q5_0_values(blocks)
         high, low = (values >> 4) + 8, values & 15
         return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
     packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
@@ -162,6 +165,16 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4
         return [_weight(codes, scale, np.zeros_like(scale))]
     minimum = _halves(blocks[..., 2:4])
     return [_weight(codes, scale, minimum + 8 * scale)]
+
+
+def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
+    """The signed values ``q - 16`` (-16..15) of ``Q5_0`` blocks ``[rows, groups, 22]``: after the scale, 32 high bits
+    (bit ``j`` for element ``j``, little-endian) and 16 bytes of low nibbles (element ``j`` low, ``j + 16`` high)."""
+    high_bits = blocks[..., 2:6].copy().view("<u4")  # [rows, groups, 1]
+    packed = blocks[..., 6:]
+    low = np.concatenate((packed & 15, packed >> 4), axis=-1).astype(np.int16)
+    high = ((high_bits >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.int16)
+    return (low | (high << 4)) - 16
 
 
 def _halves(pairs: np.ndarray) -> np.ndarray:
