@@ -7,7 +7,7 @@ import torch
 from hierspec.accept import Verdict, accept_speculative
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
-from hierspec.draft_lm import DraftLM, check_same_tokenizer, self_drafting_model
+from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
@@ -77,6 +77,33 @@ def test_draft_lm_rolls_back_to_the_accepted_prefix(target):
         # the next context diverges after 16: the cache must drop 23, 42
         assert torch.allclose(lm.next_logits(np.append(context, [30])), fresh([4, 8, 15, 16, 30]))
         assert torch.allclose(lm.next_logits(context[:2]), fresh([4, 8]))
+
+
+def test_draft_lm_reads_the_tokens_it_lacks_in_the_same_forward_as_the_tree(target):
+    """After a verification the draft lacks the target's own token: it is read above the root in the scoring
+    forward (one forward a step, not two), the logits as a fresh forward gives them; a long gap (a prompt) goes
+    through prefill first."""
+    lm = DraftLM(target)
+    with torch.inference_mode():
+        def fresh(ids):
+            return target.model(input_ids=torch.tensor([ids])).logits[0, -1]
+        context = np.array([4, 8, 15, 16, 23], dtype=np.int64)
+        lm.next_logits(context)
+        assert lm.forwards == 1  # four tokens to read: above the root, in the same forward
+        before = lm.forwards
+        tree = chain(7, [9, 11], ["draft", "draft"])
+        logits = lm.score_tree(np.append(context, [42, 7]), tree)  # 42 is missing above the root 7
+        assert lm.forwards == before + 1 and logits.shape[0] == tree.size
+        for node, ids in enumerate(([42, 7], [42, 7, 9], [42, 7, 9, 11])):
+            assert torch.allclose(logits[node], fresh([4, 8, 15, 16, 23, *ids]), atol=1e-5)
+        lm.keep((1,))  # the root and node 1 (token 9) accepted
+        assert lm._tokens == [4, 8, 15, 16, 23, 42, 7, 9]
+        assert torch.allclose(lm.next_logits(np.array([4, 8, 15, 16, 23, 42, 7, 9, 5])),
+                              fresh([4, 8, 15, 16, 23, 42, 7, 9, 5]), atol=1e-5)
+        long_gap = np.concatenate([context, np.arange(1, 1 + CATCH_UP_ROWS + 2)]).astype(np.int64)
+        before = lm.forwards
+        assert torch.allclose(lm.next_logits(long_gap), fresh(long_gap.tolist()), atol=1e-5)
+        assert lm.forwards == before + 2  # prefill of the gap, then the root
 
 
 # ---------------------------------------------------------------- rules

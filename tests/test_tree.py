@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hierspec.tree import ancestor_matrix, build_tree, root_only, tree_attention_mask, tree_position_ids
+from hierspec.tree import ancestor_matrix, below_chain, build_tree, root_only, tree_attention_mask, tree_position_ids
 
 
 def test_merge_shares_prefixes_and_flattens_breadth_first():
@@ -77,3 +77,13 @@ def test_root_only_is_plain_decoding():
 def test_mismatched_sources_are_rejected():
     with pytest.raises(ValueError):
         build_tree(0, [[1]], sources=["a", "b"])
+
+
+def test_a_tree_hung_below_a_chain_keeps_its_shape_breadth_first():
+    tree = build_tree(7, [[1, 2], [1, 3], [4]])
+    whole = below_chain([5, 6], tree)
+    assert whole.tokens.tolist() == [5, 6, *tree.tokens.tolist()]
+    assert whole.parents.tolist() == [-1, 0, 1, *[p + 2 for p in tree.parents[1:].tolist()]]
+    assert whole.depths.tolist() == [0, 1, 2, *[d + 2 for d in tree.depths[1:].tolist()]]
+    assert whole.size == tree.size + 2 and whole.sources[0] == "root"
+    assert below_chain([], tree) is tree

@@ -20,7 +20,7 @@ from torch import nn
 
 from hierspec.errors import InputError
 from hierspec.target import TargetModel
-from hierspec.tree import DraftTree, root_only
+from hierspec.tree import DraftTree, below_chain, root_only
 
 SELF_PREFIX = "self:"
 
@@ -73,6 +73,10 @@ def check_same_tokenizer(draft: TargetModel, target: TargetModel) -> None:
                          f"target's {target.vocab_size}")
 
 
+#: tokens the draft's cache lacks that are read in the same forward as the tree to score; more go through prefill
+CATCH_UP_ROWS = 16
+
+
 class DraftLM:
     """A model run incrementally over a growing, sometimes rolled back, context."""
 
@@ -100,8 +104,8 @@ class DraftLM:
         self._cache = self.model.new_cache()
         self._tokens: list[int] = []  # tokens whose keys/values the cache holds, in order
 
-    def _sync(self, prefix: np.ndarray) -> None:
-        """Crop the cache to its longest common prefix with ``prefix``, then feed the rest of ``prefix``."""
+    def _missing(self, prefix: np.ndarray) -> list[int]:
+        """Crop the cache to its longest common prefix with ``prefix``; return the rest of ``prefix``."""
         held = np.asarray(self._tokens[: prefix.shape[0]], dtype=np.int64)
         differs = np.flatnonzero(held != prefix[: held.shape[0]])
         common = int(differs[0]) if differs.size else held.shape[0]
@@ -110,31 +114,38 @@ class DraftLM:
         elif common < len(self._tokens):
             self._cache.crop(common - len(self._tokens))
             del self._tokens[common:]
-        missing = prefix[common:].tolist()
-        if missing:
-            self.model.prefill(self._cache, missing)
-            self.forwards += 1
-            self._tokens.extend(missing)
+        return prefix[common:].tolist()
 
     def score_tree(self, context: np.ndarray, tree: DraftTree) -> torch.Tensor:
         """Logits after every node of ``tree`` (rooted at ``context[-1]``), ``[n, vocab]``, on the CPU; follow with
         :meth:`keep`.
 
+        The tokens before the root that the cache lacks (after a verification, the target's own token) are read in
+        the same forward, as a chain above the root — up to :data:`CATCH_UP_ROWS` of them; more (a prompt) go
+        through the model's prefill first. A separate catch-up forward cost as much as a drafted token (Qwen2.5-
+        Coder-0.5B on an Intel Xeon: ~80 ms through the prompt path against ~45 ms a forward).
         On the CPU because draft distributions meet the target's there (acceptance runs on the CPU, with a CPU
         random generator), wherever the draft model runs.
         """
-        self._sync(context[:-1])
-        logits = self.model.forward_tree(self._cache, tree).logits
+        missing = self._missing(context[:-1])
+        if len(missing) > CATCH_UP_ROWS:
+            self.model.prefill(self._cache, missing)
+            self.forwards += 1
+            self._tokens.extend(missing)
+            missing = []
+        whole = below_chain(missing, tree)
+        logits = self.model.forward_tree(self._cache, whole).logits
         self.forwards += 1
-        self._pending = (tree, len(self._tokens))
-        return logits[:, : self.vocab_size].cpu()
+        self._pending = (whole, len(self._tokens), len(missing))
+        return logits[len(missing):, : self.vocab_size].cpu()
 
     def keep(self, path: Sequence[int]) -> None:
-        """After :meth:`score_tree`, keep the root and the nodes of ``path`` in the cache; drop the rest."""
-        tree, past = self._pending
-        keep = (0, *path)
+        """After :meth:`score_tree`, keep the root and the nodes of ``path`` (indices into the scored tree) in the
+        cache, after the tokens read above the root; drop the rest."""
+        whole, past, above = self._pending
+        keep = (*range(above + 1), *(above + node for node in path))
         self.model.keep_path(self._cache, past, keep)
-        self._tokens.extend(int(tree.tokens[i]) for i in keep)
+        self._tokens.extend(int(whole.tokens[i]) for i in keep)
 
     def next_logits(self, context: np.ndarray) -> torch.Tensor:
         """Logits of the token after ``context`` (``[vocab]``); the cache then holds all of ``context``."""

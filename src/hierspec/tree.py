@@ -106,6 +106,22 @@ def chain(root_token: int, tokens: Sequence[int], sources: Sequence[str], dists=
     )
 
 
+def below_chain(tokens: Sequence[int], tree: DraftTree, source: str = "context") -> DraftTree:
+    """``tree`` hung below a chain of ``tokens`` (its first token the new root, its last the old root's parent):
+    node ``i`` of ``tree`` becomes node ``len(tokens) + i``, still breadth-first. Draft probabilities and
+    distributions are dropped (the result is read for its logits, not verified)."""
+    count = len(tokens)
+    if count == 0:
+        return tree
+    parents = np.where(tree.parents >= 0, tree.parents + count, count - 1)
+    return DraftTree(
+        tokens=np.concatenate([np.asarray(tokens, dtype=np.int64), tree.tokens]),
+        parents=np.concatenate([np.arange(-1, count - 1, dtype=np.int64), parents.astype(np.int64)]),
+        depths=np.concatenate([np.arange(count, dtype=np.int64), tree.depths + count]),
+        sources=(ROOT_SOURCE, *([source] * (count - 1)), source, *tree.sources[1:]),
+    )
+
+
 def root_only(root_token: int) -> DraftTree:
     """The empty draft: a tree holding only the root. Verifying it is one step of plain decoding."""
     return DraftTree(
