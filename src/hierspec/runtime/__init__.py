@@ -218,9 +218,9 @@ class Runtime:
         """How the owned decoder's layers run: ``"compiled-exact"`` (each layer one compiled call with its exact
         attention), ``"compiled-halves"`` (compiled halves around attention), ``"python"`` (operation by operation)
         or ``"transformers"``."""
-        fused = self.decoder._fused if self.decoder is not None else None
         if self.decoder is None:
             return "transformers"
+        fused = self.decoder._fused
         if fused is None:
             return "python"
         return "compiled-exact" if self.exact and fused.attends else "compiled-halves"

@@ -239,9 +239,10 @@ class LlamaFamilyDecoder:
             buffers = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in zip(writes.pool.keys, writes.pool.values)]
             return CompiledExact(buffers, writes.slot_index * self.kv_heads, writes.position_index, plan)
         cache = segments[0].cache
-        if len(segments) != 1 or not hasattr(cache, "reserve") or any(
-                layer.is_initialized and (layer.dtype != torch.float32 or layer.keys.shape[0] != 1)
-                for layer in cache.layers):
+        if len(segments) != 1 or not hasattr(cache, "reserve"):
+            return None
+        first = cache.layers[0]  # a cache's layers are allocated together, with one dtype and batch
+        if first.is_initialized and (first.dtype != torch.float32 or first.keys.shape[0] != 1):
             return None
         like = self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim))
         start, buffers = cache.reserve(rows, like)

@@ -133,9 +133,7 @@ def quantize_q8_0(weight: torch.Tensor) -> list[Int4Weight]:
     values = weight.detach().to(torch.float32).reshape(weight.shape[0], -1, GROUP)
     scale = values.abs().amax(dim=-1) / 127.0
     codes = torch.round(values / torch.where(scale > 0, scale, 1.0)[..., None]).clamp(-127, 127).to(torch.int16)
-    codes, scale = codes.reshape(weight.shape).numpy(), scale.numpy()
-    high, low = (codes >> 4) + 8, codes & 15
-    return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
+    return _signed_passes(codes.reshape(weight.shape).numpy(), scale.numpy())
 
 
 def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4Weight]:
@@ -157,14 +155,20 @@ def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4
     scale = _halves(blocks[..., :2])
     if kind in ("Q8_0", "Q5_0"):
         values = blocks[..., 2:].copy().view(np.int8).astype(np.int16) if kind == "Q8_0" else _q5_0_values(blocks)
-        high, low = (values >> 4) + 8, values & 15
-        return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
+        return _signed_passes(values, scale)
     packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
     codes = np.concatenate((packed & 15, packed >> 4), axis=-1)  # element j in the low nibble, j + 16 in the high
     if kind == "Q4_0":
         return [_weight(codes, scale, np.zeros_like(scale))]
     minimum = _halves(blocks[..., 2:4])
     return [_weight(codes, scale, minimum + 8 * scale)]
+
+
+def _signed_passes(values: np.ndarray, scale: np.ndarray) -> list[Int4Weight]:
+    """Signed values (int16, -128..127) times a scale per 32 as two 4-bit passes: the high nibble ``(v >> 4) + 8`` at
+    scale ``16 d``, the low one ``v & 15`` at scale ``d`` with zero ``8 d`` (what :func:`as_int8` reads back)."""
+    high, low = (values >> 4) + 8, values & 15
+    return [_weight(high, 16 * scale, np.zeros_like(scale)), _weight(low, scale, 8 * scale)]
 
 
 def _q5_0_values(blocks: np.ndarray) -> np.ndarray:
