@@ -131,6 +131,7 @@ struct Operands {
   const float* scale_of(int64_t p, int64_t block, int64_t g) const {
     return scale + ((p * blocks + block) * groups + g) * kBlock;
   }
+  const float* bias_of(int64_t block, int64_t g) const { return bias + (block * groups + g) * kBlock; }
 };
 
 // product = rows r0.. of group g times one decoded tile, on tile set S
@@ -160,7 +161,7 @@ inline void accumulate(const Operands& o, const float (*product)[16], int64_t bl
   const __m512 s = _mm512_loadu_ps(o.scale_of(p, block, g));
   for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(product[j]), s, acc[j]);
   if (o.bias == nullptr || p != o.passes - 1) return;
-  const __m512 bias = _mm512_loadu_ps(o.bias + (block * o.groups + g) * kBlock);
+  const __m512 bias = _mm512_loadu_ps(o.bias_of(block, g));
   for (int64_t j = 0; j < count; ++j)
     acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(o.xsum[(r0 + j) * o.groups + g]), bias, acc[j]);
 }
@@ -190,6 +191,19 @@ void block_rows(const Operands& o, int64_t block, int64_t r0, int64_t count, Til
 constexpr int64_t kAhead = 4;
 constexpr int64_t kSlots = 8;
 
+// The codes, scales and biases are read once per forward, block after block: each step asks for the lines it will
+// read ~16 steps later (codes 4 KB ahead, scales and biases 1 KB), so memory is read while the tiles are decoded.
+// Without it the 1-token products of a SmolLM2 forward streamed at ~9 GB/s where the LM head alone reaches ~30
+// (BENCHMARKS.md, "Seventeenth session"). Prefetching past a tensor's end is harmless.
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline void prefetch_ahead(const uint8_t* codes, const float* scale, const float* bias) {
+  const char* ahead = reinterpret_cast<const char*>(codes) + kPrefetchBytes;
+  for (int64_t line = 0; line < kCodeBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(scale) + kPrefetchBytes / 4, _MM_HINT_T0);
+  if (bias != nullptr) _mm_prefetch(reinterpret_cast<const char*>(bias) + kPrefetchBytes / 4, _MM_HINT_T0);
+}
+
 uint16_t* aligned_scratch(std::vector<uint16_t>& storage, int64_t elements) {
   if (storage.size() < static_cast<size_t>(elements + 32)) storage.resize(static_cast<size_t>(elements + 32));
   return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
@@ -199,13 +213,16 @@ template <class Form>
 void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
   thread_local std::vector<uint16_t> storage;
   const Form form;
-  const int64_t steps = o.groups * o.passes;
+  const int64_t passes = o.passes, steps = o.groups * passes;
   configure_tiles<Form>(static_cast<int>(o.tile_rows));
   if (o.rows <= o.tile_rows) {
     uint16_t* slots = aligned_scratch(storage, kSlots * Form::kDecoded);
     for (int64_t block = begin; block < end; ++block) {
       auto decode = [&](int64_t i) {
-        form.decode(o.codes_of(i % o.passes, block, i / o.passes), slots + (i % kSlots) * Form::kDecoded);
+        const int64_t g = i / passes, p = i % passes;
+        const uint8_t* codes = o.codes_of(p, block, g);
+        prefetch_ahead(codes, o.scale_of(p, block, g), o.bias == nullptr ? nullptr : o.bias_of(block, g));
+        form.decode(codes, slots + (i % kSlots) * Form::kDecoded);
       };
       for (int64_t i = 0; i < std::min(kAhead, steps); ++i) decode(i);
       block_rows<Form>(o, block, 0, o.rows, [&](int64_t i) { return slots + (i % kSlots) * Form::kDecoded; },
@@ -215,7 +232,7 @@ void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
     uint16_t* tiles = aligned_scratch(storage, steps * Form::kDecoded);
     for (int64_t block = begin; block < end; ++block) {
       for (int64_t i = 0; i < steps; ++i)
-        form.decode(o.codes_of(i % o.passes, block, i / o.passes), tiles + i * Form::kDecoded);
+        form.decode(o.codes_of(i % passes, block, i / passes), tiles + i * Form::kDecoded);
       for (int64_t r0 = 0; r0 < o.rows; r0 += o.tile_rows)
         block_rows<Form>(o, block, r0, std::min(o.tile_rows, o.rows - r0),
                          [&](int64_t i) { return tiles + i * Form::kDecoded; }, [](int64_t) {});
