@@ -38,33 +38,40 @@ def _tensors(plan: ExactPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return torch.from_numpy(plan.indptr), torch.from_numpy(plan.indices), torch.from_numpy(plan.blocks)
 
 
-def _attend(module, query, key, value, keys, values, write_blocks, write_slots, mask, blocks=None):
+def _attend(module, query, key, value, keys, values, write_blocks, write_slots, mask, blocks=None, scale=SCALE):
     plan = ExactPlan(mask)
     if blocks is not None:
         plan.blocks = np.ascontiguousarray(blocks, dtype=np.int64)
-    return module.exact_attention(query, key, value, keys, values, write_blocks, write_slots, *_tensors(plan), SCALE)
+    return module.exact_attention(query, key, value, keys, values, write_blocks, write_slots, *_tensors(plan), scale)
 
 
-def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_written(module, threads):
+# SmolLM2's heads; Qwen2.5-1.5B's; a head size with a tail past whole vectors (16 or 8 lanes); one query per key
+SHAPES = [(HEADS, KV_HEADS, DIM), (12, 2, 128), (4, 2, 72), (3, 3, 40)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_written(module, threads, shape):
+    heads, kv_heads, dim = shape
+    scale = dim ** -0.5
     gen = torch.Generator().manual_seed(threads)
-    for _ in range(6):
+    for _ in range(6 if shape[2] == DIM else 3):
         past = int(torch.randint(0, 1500, (1,), generator=gen))
         nodes = int(torch.randint(2, 24, (1,), generator=gen))
         parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, nodes)]
         capacity = past + nodes + 40
-        cache_k, cache_v = (torch.randn(KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
-        node_k, node_v = (torch.randn(1, KV_HEADS, nodes, DIM, generator=gen) for _ in range(2))
+        cache_k, cache_v = (torch.randn(kv_heads, capacity, dim, generator=gen) for _ in range(2))
+        node_k, node_v = (torch.randn(1, kv_heads, nodes, dim, generator=gen) for _ in range(2))
         # queries as the layer hands them: a view of [1, rows, heads, dim] with heads and rows transposed
-        node_q = torch.randn(1, nodes, HEADS, DIM, generator=gen).transpose(1, 2)
+        node_q = torch.randn(1, nodes, heads, dim, generator=gen).transpose(1, 2)
         mask = torch.zeros(nodes, capacity, dtype=torch.bool)
         mask[:, :past] = True
         for node in range(nodes):
             mask[node, [past + a for a in _ancestry(parents, node)]] = True
         keys, values = cache_k.clone(), cache_v.clone()
         tree = _attend(module, node_q, node_k, node_v, keys, values, torch.zeros(nodes, dtype=torch.long),
-                       torch.arange(past, past + nodes), mask)
+                       torch.arange(past, past + nodes), mask, scale=scale)
         assert torch.equal(keys[:, past : past + nodes], node_k[0]) and torch.equal(values[:, :past], cache_v[:, :past])
-        reference = exact_attention(node_q.double(), keys[None].double(), values[None].double(), ExactPlan(mask), SCALE)
+        reference = exact_attention(node_q.double(), keys[None].double(), values[None].double(), ExactPlan(mask), scale)
         torch.testing.assert_close(tree.double(), reference, rtol=1e-5, atol=1e-6)
         for node in range(nodes):
             path = _ancestry(parents, node)
@@ -75,7 +82,7 @@ def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_w
             alone[:, : past + len(path)] = True
             row = _attend(module, node_q[:, :, node : node + 1], node_k[:, :, node : node + 1],
                           node_v[:, :, node : node + 1], keys, values, torch.zeros(1, dtype=torch.long),
-                          torch.tensor([past + len(path) - 1]), alone)
+                          torch.tensor([past + len(path) - 1]), alone, scale=scale)
             assert torch.equal(row[0], tree[node]), f"past {past}, node {node} of {nodes}"
 
 

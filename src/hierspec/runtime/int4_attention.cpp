@@ -40,8 +40,8 @@ constexpr float kExpFloor = -87.f;  // below it exp leaves float32's normal rang
 using hierspec_int4::vi;
 
 // exp(x) for x in [kExpFloor, 0], within ~1 ulp: n = floor(x log2 e + 1/2), r = x - n ln 2 in two parts, e^r by its
-// polynomial, 2^n built in the exponent bits. Written once for vectors and once for single values with the same
-// operations (floor as truncation less one where that rounded up: exact for these magnitudes).
+// polynomial, 2^n built in the exponent bits (floor as truncation less one where that rounded up: exact for these
+// magnitudes).
 inline vf exp_vector(vf x) {
   const vf floor_value = vf{} + kExpFloor;
   x = x < floor_value ? floor_value : x;
@@ -56,33 +56,6 @@ inline vf exp_vector(vf x) {
                 1.6666665459e-1f) * r + 5.0000001201e-1f;
   const vi bits = (whole + 127) << 23;
   return ((r * r) * p + r + 1.f) * reinterpret_cast<const vf&>(bits);
-}
-
-inline float exp_single(float x) {
-  x = x < kExpFloor ? kExpFloor : x;
-  const float y = x * kLog2e + 0.5f;
-  const int32_t truncated = static_cast<int32_t>(y);
-  const int32_t whole = truncated - (y < static_cast<float>(truncated) ? 1 : 0);
-  const float n = static_cast<float>(whole);
-  float r = x - n * kLn2High;
-  r = r - n * kLn2Low;
-  const float p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-                   1.6666665459e-1f) * r + 5.0000001201e-1f;
-  const int32_t bits = (whole + 127) << 23;
-  float power;
-  std::memcpy(&power, &bits, sizeof power);
-  return ((r * r) * p + r + 1.f) * power;
-}
-
-// line[j] = exp(line[j] - top) for every line[j] <= top: whole vectors, then the tail (which elements take which
-// path depends on j and the count alone)
-void exp_shifted(float* line, float top, int64_t count) {
-  int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes) {
-    const vf e = exp_vector(load(line + j) - top);
-    std::memcpy(line + j, &e, sizeof e);
-  }
-  for (; j < count; ++j) line[j] = exp_single(line[j] - top);
 }
 
 // The lanes of v summed pairwise in halves (lane i with i + lanes / 2, and so on): a fixed order
@@ -101,36 +74,36 @@ inline float halving_sum(vf v) {
   return h2[0] + h2[1];
 }
 
-// a · b over dim elements: whole vectors into lanes, the lanes summed, then the tail
-inline float dot(const float* a, const float* b, int64_t dim) {
-  vf part{};
-  int64_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes) part = load(a + i) * load(b + i) + part;
-  float total = halving_sum(part);
-  for (; i < dim; ++i) total = a[i] * b[i] + total;
-  return total;
-}
+// count rounded up to whole vectors
+inline int64_t padded(int64_t count) { return (count + kLanes - 1) / kLanes * kLanes; }
 
-// Four keys' dot products with one query, each the very arithmetic of dot() (four independent chains in flight)
-inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t dim,
-                 float* out) {
-  vf p0{}, p1{}, p2{}, p3{};
-  int64_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes) {
-    const vf x = load(q + i);
-    p0 = x * load(k0 + i) + p0;
-    p1 = x * load(k1 + i) + p1;
-    p2 = x * load(k2 + i) + p2;
-    p3 = x * load(k3 + i) + p3;
-  }
-  float t0 = halving_sum(p0), t1 = halving_sum(p1), t2 = halving_sum(p2), t3 = halving_sum(p3);
-  for (; i < dim; ++i) {
-    t0 = q[i] * k0[i] + t0;
-    t1 = q[i] * k1[i] + t1;
-    t2 = q[i] * k2[i] + t2;
-    t3 = q[i] * k3[i] + t3;
-  }
-  out[0] = t0, out[1] = t1, out[2] = t2, out[3] = t3;
+// kLanes vectors -> one vector whose lane j sums vector j's lanes, always in one fixed tree (lane i with lane i + half,
+// then again on the halves): the same additions for a vector whichever position it has and whatever the others hold.
+inline vf lane_sums(const vf* p) {
+#ifdef __AVX512F__
+  vf c[8], d[4], e[2];
+  for (int i = 0; i < 8; ++i)
+    c[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#else
+  vf d[4], e[2];
+  for (int i = 0; i < 4; ++i)
+    d[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int i = 0; i < 2; ++i)
+    e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#endif
 }
 
 // Everything a call's tasks read, as raw pointers and strides (float32, element units)
@@ -148,58 +121,145 @@ struct Operands {
   float* out;  // [rows, heads * dim]
 };
 
-// Scratch of one thread: scores and weights of one row's keys per query head, the weighted sums
+// Scratch of one thread: the scores, then weights, of one row's keys per query head (rows of width + kLanes: the
+// last key block writes whole vectors), their sums, and the task's key, value, query and output addresses
 struct Scratch {
-  std::vector<float> scores, weights, sums;
+  std::vector<float> scores, totals;
+  std::vector<const float*> keys, values, queries;
+  std::vector<float*> outs;
   explicit Scratch(const Operands& o)
-      : scores(o.groups * o.width), weights(o.width), sums(o.groups * o.dim) {}
+      : scores(o.groups * (o.width + kLanes)), totals(o.groups), queries(o.groups), outs(o.groups) {}
 };
+
+// One query head's lane partials of kLanes keys (key t: keys[min(j0 + t, count - 1)]) and their sums into `scores`:
+// each key's vectors multiplied lane-wise with the query's over the whole vectors in dim order, then lane_sums. C is
+// the count of whole vectors of dim when it is known at compile time (0: read it from `chunks`).
+template <int C>
+inline void score_block(const float* q, const float* const* keys, int64_t j0, int64_t count, int64_t chunks,
+                        float* scores) {
+  const int64_t n = C > 0 ? C : chunks;
+  vf part[kLanes];
+  for (int64_t t = 0; t < kLanes; ++t) {
+    const float* key = keys[std::min(j0 + t, count - 1)];
+    vf sum{};
+    for (int64_t c = 0; c < n; ++c) sum = load(q + c * kLanes) * load(key + c * kLanes) + sum;
+    part[t] = sum;
+  }
+  const vf sums = lane_sums(part);
+  std::memcpy(scores + j0, &sums, sizeof sums);
+}
+
+// scores[g][j] = q_g · key j for the keys at `keys[j]`, kLanes keys at a time (a last partial block repeats its last
+// key and its extra sums are never read), then the tail of dim in order: every key takes the same operations
+// wherever it falls.
+void score_keys(const Operands& o, const float* const* q, const float* const* keys, int64_t count, Scratch& s) {
+  const int64_t dim = o.dim, chunks = dim / kLanes, whole = chunks * kLanes, stride = o.width + kLanes;
+  for (int64_t g = 0; g < o.groups; ++g) {
+    float* scores = s.scores.data() + g * stride;
+    for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+      if (chunks == 64 / kLanes) score_block<64 / kLanes>(q[g], keys, j0, count, chunks, scores);
+      else if (chunks == 128 / kLanes) score_block<128 / kLanes>(q[g], keys, j0, count, chunks, scores);
+      else score_block<0>(q[g], keys, j0, count, chunks, scores);
+    }
+    for (int64_t j = 0; whole < dim && j < padded(count); ++j) {
+      const float* key = keys[std::min(j, count - 1)];
+      float total = scores[j];
+      for (int64_t i = whole; i < dim; ++i) total = q[g][i] * key[i] + total;
+      scores[j] = total;
+    }
+  }
+}
+
+// The softmax weights of one query head's scores, unnormalised, and their sum: line[j] = exp(scale * line[j] - top)
+// with top the largest scaled score. The line is whole vectors long, its entries past `count` copies of the last
+// key's (so they leave the maximum as it is) and set to 0 before the sum, which runs lane-wise over whole vectors.
+float softmax_weights(float* line, float scale, int64_t count) {
+  const int64_t length = padded(count);
+  vf top = load(line) * scale;
+  for (int64_t j = 0; j < length; j += kLanes) {
+    const vf v = load(line + j) * scale;
+    std::memcpy(line + j, &v, sizeof v);
+    top = v > top ? v : top;
+  }
+  float best = top[0];
+  for (int i = 1; i < kLanes; ++i) best = std::max(best, top[i]);
+  vi lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  vf total{};
+  for (int64_t j = 0; j < length; j += kLanes) {
+    const vf e = lane + static_cast<int32_t>(j) < static_cast<int32_t>(count) ? exp_vector(load(line + j) - best) : vf{};
+    std::memcpy(line + j, &e, sizeof e);
+    total = total + e;
+  }
+  return halving_sum(total);
+}
+
+// out_g = sum_j w[g][j] * value j, for GB query heads and CB vectors of dim from `offset`: each element a chain of
+// multiply-adds over the keys in order, the chains of GB x CB accumulators side by side.
+template <int GB, int CB>
+void weigh_panel(const float* weights, int64_t stride, const float* const* values, int64_t count, int64_t offset,
+                 float* const* out) {
+  vf acc[GB][CB];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < CB; ++c) acc[g][c] = vf{};
+  for (int64_t j = 0; j < count; ++j) {
+    vf v[CB];
+    for (int c = 0; c < CB; ++c) v[c] = load(values[j] + offset + c * kLanes);
+    for (int g = 0; g < GB; ++g) {
+      const float w = weights[g * stride + j];
+      for (int c = 0; c < CB; ++c) acc[g][c] = w * v[c] + acc[g][c];
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < CB; ++c) std::memcpy(out[g] + offset + c * kLanes, &acc[g][c], sizeof(vf));
+}
+
+// The weighted values of every query head into out[g] (unnormalised): panels of two query heads by four vectors,
+// then what remains of either; the tail of dim element by element (the same chain, scalar).
+void weigh_values(const Operands& o, const float* weights, const float* const* values, int64_t count,
+                  float* const* out) {
+  const int64_t dim = o.dim, whole = dim - dim % kLanes, stride = o.width + kLanes;
+  for (int64_t g = 0; g < o.groups; g += 2) {
+    const bool pair = g + 1 < o.groups;
+    const float* w = weights + g * stride;
+    int64_t offset = 0;
+    for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes) {
+      if (pair) weigh_panel<2, 4>(w, stride, values, count, offset, out + g);
+      else weigh_panel<1, 4>(w, stride, values, count, offset, out + g);
+    }
+    for (; offset < whole; offset += kLanes) {
+      if (pair) weigh_panel<2, 1>(w, stride, values, count, offset, out + g);
+      else weigh_panel<1, 1>(w, stride, values, count, offset, out + g);
+    }
+  }
+  for (int64_t g = 0; g < o.groups; ++g)
+    for (int64_t i = whole; i < dim; ++i) {
+      float total = 0.f;
+      for (int64_t j = 0; j < count; ++j) total = weights[g * stride + j] * values[j][i] + total;
+      out[g][i] = total;
+    }
+}
 
 // Row `row`, key/value head `head`: softmax(scale * q · k) · v over the row's slots, for its `groups` query heads
 void attend_task(const Operands& o, int64_t row, int64_t head, Scratch& s) {
-  const int64_t start = o.indptr[row], count = o.indptr[row + 1] - start, dim = o.dim;
+  const int64_t start = o.indptr[row], count = o.indptr[row + 1] - start, dim = o.dim, stride = o.width + kLanes;
   const int64_t* slots = o.indices + start;
   const int64_t block = (o.blocks[row] + head) * o.slots;
-  const float* keys = o.keys + block * dim;
-  const float* values = o.values + block * dim;
-  const int64_t whole = count - count % 4;
-  for (int64_t g = 0; g < o.groups; ++g) {
-    const float* q = o.query + row * o.query_row + (head * o.groups + g) * o.query_head;
-    float* scores = s.scores.data() + g * o.width;
-    for (int64_t j = 0; j < whole; j += 4)
-      dot4(q, keys + slots[j] * dim, keys + slots[j + 1] * dim, keys + slots[j + 2] * dim,
-           keys + slots[j + 3] * dim, dim, scores + j);
-    for (int64_t j = whole; j < count; ++j) scores[j] = dot(q, keys + slots[j] * dim, dim);
-    float top = scores[0] * o.scale;
-    for (int64_t j = 0; j < count; ++j) {
-      scores[j] *= o.scale;
-      top = std::max(top, scores[j]);
-    }
-    exp_shifted(scores, top, count);
+  s.keys.resize(count);
+  s.values.resize(count);
+  for (int64_t j = 0; j < count; ++j) {
+    s.keys[j] = o.keys + (block + slots[j]) * dim;
+    s.values[j] = o.values + (block + slots[j]) * dim;
   }
   for (int64_t g = 0; g < o.groups; ++g) {
-    const float* weights = s.scores.data() + g * o.width;
-    float* sums = s.sums.data() + g * dim;
-    std::fill(sums, sums + dim, 0.f);
-    for (int64_t j = 0; j < whole; j += 4) {  // four weighted values per update of the sums
-      const float *v0 = values + slots[j] * dim, *v1 = values + slots[j + 1] * dim;
-      const float *v2 = values + slots[j + 2] * dim, *v3 = values + slots[j + 3] * dim;
-      const float w0 = weights[j], w1 = weights[j + 1], w2 = weights[j + 2], w3 = weights[j + 3];
-      for (int64_t d = 0; d < dim; ++d) sums[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
-    }
-    for (int64_t j = whole; j < count; ++j) {
-      const float* v = values + slots[j] * dim;
-      const float w = weights[j];
-      for (int64_t d = 0; d < dim; ++d) sums[d] += w * v[d];
-    }
-    vf part{};
-    int64_t j = 0;
-    for (; j + kLanes <= count; j += kLanes) part = load(weights + j) + part;
-    float total = halving_sum(part);
-    for (; j < count; ++j) total += weights[j];
-    float* out = o.out + row * (o.kv_heads * o.groups * dim) + (head * o.groups + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) out[d] = sums[d] / total;
+    s.queries[g] = o.query + row * o.query_row + (head * o.groups + g) * o.query_head;
+    s.outs[g] = o.out + row * (o.kv_heads * o.groups * dim) + (head * o.groups + g) * dim;
   }
+  score_keys(o, s.queries.data(), s.keys.data(), count, s);
+  for (int64_t g = 0; g < o.groups; ++g) s.totals[g] = softmax_weights(s.scores.data() + g * stride, o.scale, count);
+  weigh_values(o, s.scores.data(), s.values.data(), count, s.outs.data());
+  for (int64_t g = 0; g < o.groups; ++g)
+    for (int64_t d = 0; d < dim; ++d) s.outs[g][d] = s.outs[g][d] / s.totals[g];
 }
 
 void check_int64(const torch::Tensor& t, const char* name) {
