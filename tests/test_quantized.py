@@ -433,3 +433,14 @@ def test_the_compiled_layer_halves_equal_the_decoders_own_operations_bit_for_bit
                     assert torch.equal(fused_mlp, decoder._mlp(layer, hidden, attended))
                 finally:
                     decoder._fused = halves
+
+
+def test_a_new_build_of_the_compiled_kernels_gets_its_own_cost_curve(tmp_path, monkeypatch):
+    from hierspec.calibration import default_curve_path
+    from hierspec.runtime import int4_kernel
+
+    target = _int4_target(*_tiny(tmp_path), int4_kernel="compiled")
+    before = default_curve_path(target, tmp_path)
+    assert default_curve_path(target, tmp_path) == before  # stable while the build is
+    monkeypatch.setattr(int4_kernel, "build_id", lambda: "another-build")
+    assert default_curve_path(target, tmp_path) != before

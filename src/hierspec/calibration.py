@@ -30,6 +30,7 @@ from hierspec.drafters.scored import ContextCost, linear_cost
 from hierspec.errors import InputError
 from hierspec.loading import user_cache_dir
 from hierspec.machine import cpu_info
+from hierspec.runtime import int4_kernel
 from hierspec.runtime.inputs import bucket_for
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
@@ -124,9 +125,11 @@ def machine_identity(target: TargetModel) -> dict:
 
 
 def _int4_kernels(target: TargetModel) -> dict:
-    """The int4 path's kernels for 4-bit and 8-bit weights (both ``None`` off that path)."""
+    """The int4 path's kernels for 4-bit and 8-bit weights and the compiled extension's build (all ``None`` off that
+    path)."""
     kernels = target.runtime.int4_kernel if target.runtime.kind == "int4" else None
-    return {"int4_kernel": kernels and kernels.four_bit, "int8_kernel": kernels and kernels.eight_bit}
+    return {"int4_kernel": kernels and kernels.four_bit, "int8_kernel": kernels and kernels.eight_bit,
+            "kernel_build": kernels and int4_kernel.build_id()}
 
 
 def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
@@ -139,7 +142,9 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
         f"|int8-{eight}" if eight in ("compiled", "amx") else "")
     # whole compiled layers with their exact attention cost less per row than the halves: their curves are their own
     layers = "|compiled-exact" if ident.get("layers") == "compiled-exact" else ""
-    setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}"
+    # and every build of the compiled kernels (another source, another speed) measures its own
+    build = f"|{ident['kernel_build']}" if (kernel or layers) and ident.get("kernel_build") else ""
+    setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}{build}"
     setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
     name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
             f"-{setting}.json")

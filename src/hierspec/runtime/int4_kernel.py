@@ -183,6 +183,11 @@ def compiled_kernel() -> tuple[object | None, str | None]:
     return (None, problem) if problem else (module, None)
 
 
+def build_id() -> str:
+    """The compiled extension's build key (its sources, flags, PyTorch and CPU), whether or not it is built yet."""
+    return _build_dir().name.split("-")[-1]
+
+
 def _build(directory: Path):
     from torch.utils.cpp_extension import load
 
