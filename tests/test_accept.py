@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -93,3 +94,28 @@ def test_speculative_sample_acceptance_rate_is_p_over_q():
     gen = torch.Generator().manual_seed(1)
     accepted = sum(speculative_sample(p, q, 0, gen)[0] for _ in range(20000))
     assert accepted / 20000 == pytest.approx(0.25, abs=0.015)
+
+
+def test_row_topk_matches_a_stable_sort_with_ties_and_nans_on_the_compiled_extension():
+    from hierspec.accept import row_topk
+    from hierspec.runtime import int4_kernel
+
+    module, reason = int4_kernel.compiled_kernel()
+    if module is None:
+        pytest.skip(reason)
+    assert int4_kernel.loaded_kernel() is module
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(49152, 8), (100, 1), (37, 37), (20, 5)]:
+        logits = torch.randint(-40, 40, (6, n), generator=gen).float() / 4  # many ties
+        logits[0, 3] = float("nan")
+        logits[1, : min(n, 50)] = 99.0  # the row's largest all equal: index order
+        got = row_topk(logits, k)
+        for row, indices in zip(logits.numpy(), got):
+            expected = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")[:k]
+            assert indices.tolist() == expected.tolist()
+        # other dtypes take PyTorch's topk: the same values (tie order may differ)
+        wide = row_topk(logits.double().nan_to_num(-1e9), k)
+        assert np.array_equal(np.take_along_axis(logits.nan_to_num(-1e9).numpy(), wide, 1),
+                              np.take_along_axis(logits.nan_to_num(-1e9).numpy(), got, 1))
+    with pytest.raises(RuntimeError, match="k must be"):
+        module.row_topk(torch.zeros(2, 4), 5)

@@ -39,9 +39,11 @@ from hierspec.storage import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-#: the product (``int4_kernel.cpp``, with the bindings) and the layer halves around attention (``int4_blocks.cpp``)
+#: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
+#: AMX products, the compiled layers' exact attention and the verifier's row top-k
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
-           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"))
+           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"),
+           Path(__file__).with_name("row_topk.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
@@ -181,6 +183,12 @@ def compiled_kernel() -> tuple[object | None, str | None]:
         return None, f"the compiled int4 kernel could not be built ({type(exc).__name__}: {_first_line(exc)})"
     problem = _check(module)
     return (None, problem) if problem else (module, None)
+
+
+def loaded_kernel():
+    """The compiled extension where this process has already loaded it (the int4 path runs on it), else ``None``:
+    for helpers that may use it but must never start a build."""
+    return compiled_kernel()[0] if compiled_kernel.cache_info().currsize else None
 
 
 def build_id() -> str:

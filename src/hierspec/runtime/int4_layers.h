@@ -1,5 +1,5 @@
-// The int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), declared for the bindings in
-// int4_kernel.cpp and for int4_attention.cpp, which runs the halves around its attention.
+// The int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp) and the verifier's top-k (row_topk.cpp),
+// declared for the bindings in int4_kernel.cpp and for int4_attention.cpp, which runs the halves around its attention.
 #pragma once
 
 #include <torch/extension.h>
@@ -34,3 +34,6 @@ torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm
                           const std::vector<std::vector<torch::Tensor>>& out,
                           const std::vector<std::vector<torch::Tensor>>& gate_up,
                           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+
+// row_topk.cpp
+torch::Tensor row_topk(const torch::Tensor& logits, int64_t k);
