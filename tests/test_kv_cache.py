@@ -48,3 +48,32 @@ def test_tree_logits_equal_sequential_logits():
         with torch.inference_mode():
             expected = target.model(input_ids=ids).logits[0, -1]
         torch.testing.assert_close(logits[node], expected, rtol=0, atol=1e-9)
+
+
+def test_the_compiled_path_move_equals_the_per_layer_one(monkeypatch):
+    from hierspec.runtime import int4_kernel, kv_cache
+    from hierspec.runtime.kv_cache import TreeCache
+
+    module, reason = int4_kernel.compiled_kernel()
+    if module is None:
+        pytest.skip(reason)
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        states = [(torch.randn(1, 3, 12, 8, generator=gen).to(dtype), torch.randn(1, 3, 12, 8, generator=gen).to(dtype))
+                  for _ in range(4)]
+        caches = []
+        for compiled in (True, False):
+            cache = TreeCache(4, capacity=16)
+            for index, (k, v) in enumerate(states):
+                cache.update(k.clone(), v.clone(), index)
+            monkeypatch.setattr(kv_cache, "loaded_kernel", (lambda: module) if compiled else (lambda: None))
+            cache.keep(5, [0, 2, 3, 6])
+            caches.append(cache)
+        for fast, slow in zip(*(c.layers for c in caches)):
+            assert fast.length == slow.length == 9
+            assert torch.equal(fast.keys, slow.keys) and torch.equal(fast.values, slow.values)
+        assert torch.equal(caches[0].layers[0].keys[0, :, 6], states[0][0][0, :, 7])  # entry 5 + 2 -> slot 6
+    buffer = torch.zeros(1, 1, 8, 4)
+    for bad in ([1, 0], [0, 0], [0, 9]):
+        with pytest.raises(RuntimeError):
+            module.keep_entries([buffer], 0, torch.tensor(bad))

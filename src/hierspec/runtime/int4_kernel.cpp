@@ -261,4 +261,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
   m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
   m.def("row_topk", &row_topk, "each float32 row's k largest entries' indices, largest first");
+  m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
 }

@@ -40,10 +40,10 @@ from hierspec.storage import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
-#: AMX products, the compiled layers' exact attention and the verifier's row top-k
+#: AMX products, the compiled layers' exact attention, the verifier's row top-k and the cache's path move
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
            Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"),
-           Path(__file__).with_name("row_topk.cpp"))
+           Path(__file__).with_name("row_topk.cpp"), Path(__file__).with_name("cache_keep.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the

@@ -1,5 +1,6 @@
-// The int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp) and the verifier's top-k (row_topk.cpp),
-// declared for the bindings in int4_kernel.cpp and for int4_attention.cpp, which runs the halves around its attention.
+// The int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the verifier's top-k (row_topk.cpp) and the
+// cache's path move (cache_keep.cpp), declared for the bindings in int4_kernel.cpp and for int4_attention.cpp, which
+// runs the halves around its attention.
 #pragma once
 
 #include <torch/extension.h>
@@ -37,3 +38,6 @@ torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm
 
 // row_topk.cpp
 torch::Tensor row_topk(const torch::Tensor& logits, int64_t k);
+
+// cache_keep.cpp
+void keep_entries(const std::vector<torch::Tensor>& buffers, int64_t start, const torch::Tensor& offsets);

@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hierspec.runtime.int4_kernel import loaded_kernel
+
 #: slots a layer's buffer starts with when no size is given
 DEFAULT_CAPACITY = 256
 
@@ -201,6 +203,14 @@ class TreeCache(Cache):
         if bool(torch.equal(offsets, torch.arange(offsets.shape[0]))):
             for layer in self.layers:
                 layer.crop(start + offsets.shape[0] - layer.get_seq_length())
+            return
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        buffers = [buffer for layer in layers for buffer in (layer._keys, layer._values)]
+        compiled = loaded_kernel()
+        if compiled is not None and all(b.device.type == "cpu" and b.is_contiguous() for b in buffers):
+            compiled.keep_entries(buffers, start, offsets)  # one call for every layer (cache_keep.cpp)
+            for layer in layers:
+                layer.length = start + offsets.shape[0]
             return
         for layer in self.layers:
             layer.keep(start, offsets)
