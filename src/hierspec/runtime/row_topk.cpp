@@ -15,8 +15,11 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_vectors.h"
 
 namespace {
+
+using hierspec_int4::kLanes;
 
 // value at `index` into the list (values descending; an equal value stays behind the lower index already there)
 inline void insert(float value, int64_t index, float* values, int64_t* indices, int64_t k) {
@@ -40,18 +43,12 @@ inline uint32_t above(const float* row, float threshold) {
 #endif
 }
 
-#ifdef __AVX512F__
-constexpr int64_t kWidth = 16;
-#else
-constexpr int64_t kWidth = 8;
-#endif
-
 void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out) {
   std::vector<float> values(k, -INFINITY);
   std::vector<int64_t> indices(k, 0);
   int64_t j = 0;
   for (; j < k; ++j) insert(row[j] == row[j] ? row[j] : -INFINITY, j, values.data(), indices.data(), j + 1);
-  for (; j + kWidth <= n; j += kWidth) {
+  for (; j + kLanes <= n; j += kLanes) {
     for (uint32_t bits = above(row + j, values[k - 1]); bits != 0; bits &= bits - 1) {
       const int64_t i = j + __builtin_ctz(bits);
       if (row[i] > values[k - 1]) insert(row[i], i, values.data(), indices.data(), k);
