@@ -100,45 +100,44 @@ AMX_REASON = k.amx_reason()
 needs_amx = pytest.mark.skipif(AMX_REASON is not None, reason=str(AMX_REASON))
 
 
-def test_amx_packing_puts_tile_rows_h_and_h_plus_8_in_one_byte_in_pair_order():
-    codes = ((torch.arange(16).reshape(16, 1) + torch.arange(32).reshape(1, 32)) % 16).to(torch.uint8)  # (n + k) % 16
-    packed = k.pack_amx([codes], [torch.full((16, 1), 2.0)], [torch.full((16, 1), 16.5)])
-    assert packed.codes.shape == (1, 1, 1, 256)
-    # byte q of chunk h: tile row h, element q (output q // 2, input 2h + q % 2) low; the same 16 inputs on, high
+def test_amx_packing_puts_two_outputs_in_one_byte_and_32_codes_of_an_output_together():
+    codes = ((torch.arange(16).reshape(16, 1) + torch.arange(64).reshape(1, 64)) % 16).to(torch.uint8)  # (n + k) % 16
+    packed = k.pack_amx([codes], [torch.full((16, 2), 2.0)], [torch.full((16, 2), 16.5)])
+    assert packed.codes.shape == (1, 1, 2, 256)
+    # byte i of pair j: output 2j, input i (low nibble) and output 2j + 1, input i (high nibble)
     first = packed.codes[0, 0, 0]
-    assert first[:4].tolist() == [0x00, 0x11, 0x11, 0x22]  # (0,0)|(0,16); (0,1)|(0,17); (1,0)|(1,16); (1,1)|(1,17)
-    assert first[32].item() == 0x22  # chunk 1: output 0, inputs 2 and 18
-    assert packed.scales.shape == (1, 1, 1, 16) and packed.scales.flatten().tolist() == [2.0] * 16
-    assert packed.bias.flatten().tolist() == [0.5] * 16  # zero - 8 * scale
-    signed = (torch.arange(16 * 16).reshape(16, 16) - 128).to(torch.int8)  # code[n, k] = 16 n + k - 128
-    eight = k.pack_amx_int8(signed, torch.ones(16, 1))
-    assert eight.codes.shape == (1, 1, 1, 256) and eight.codes.dtype == torch.int8
-    assert eight.codes[0, 0, 0, :4].tolist() == [-128, -127, -112, -111]  # (0,0), (0,1), (1,0), (1,1)
-    assert eight.codes[0, 0, 0, 32].item() == -126  # tile row 1: output 0, input 2
+    assert first[:3].tolist() == [0x10, 0x21, 0x32]  # (0,0)|(1,0); (0,1)|(1,1); (0,2)|(1,2)
+    assert first[32].item() == 0x32  # pair 1: outputs 2 and 3, input 0
+    assert packed.codes[0, 0, 1, 0].item() == 0x10  # step 1: inputs 32.. (32 % 16 = 0)
+    assert packed.scales.shape == (1, 1, 2, 16) and packed.scales.flatten().tolist() == [2.0] * 32
+    assert packed.bias.shape == (1, 2, 16) and packed.bias.flatten().tolist() == [0.5] * 32  # zero - 8 * scale
+    signed = (torch.arange(16 * 32).reshape(16, 32) - 256).clamp(-128, 127).to(torch.int8)  # 32 n + k - 256
+    eight = k.pack_amx_int8(signed, torch.ones(16, 2))
+    assert eight.codes.shape == (1, 1, 1, 512) and eight.codes.dtype == torch.int8
+    assert torch.equal(eight.codes[0, 0, 0].reshape(16, 32), signed)  # output n's 32 codes at bytes 32 n..
+    with pytest.raises(ValueError, match="one pass"):
+        k.pack_amx([codes, codes], [torch.ones(16, 2)] * 2, [torch.zeros(16, 2)] * 2)
 
 
-def _amx_expected(rows, dense_codes, bias=None):
-    """The AMX products' model in float64: the rows rounded to bfloat16 times the scaled codes, plus each group's
-    float32-exact row sums times its bias."""
-    expected = rows.bfloat16().double() @ dense_codes.t()
-    if bias is not None:
-        expected += rows.double().reshape(rows.shape[0], -1, 32).sum(-1) @ bias.t()
-    return expected
+def _amx_expected(rows, weight):
+    """The AMX products' model in float64: the rows rounded to bfloat16 times the weights as the kernel decodes them
+    (computed in float32, rounded to bfloat16)."""
+    return rows.bfloat16().double() @ weight.float().bfloat16().double().t()
 
 
 @needs_amx
-@pytest.mark.parametrize(("out_features", "in_features", "passes", "rows"),
-                         [(16, 32, 1, 1), (48, 96, 2, 9), (960, 576, 1, 17), (144, 1536, 4, 40)])
-def test_amx_products_equal_their_model_in_float64(out_features, in_features, passes, rows):
+@pytest.mark.parametrize(("out_features", "in_features", "rows"),
+                         [(16, 32, 1), (48, 96, 9), (960, 576, 17), (144, 1536, 40)])
+def test_amx_products_equal_their_model_in_float64(out_features, in_features, rows):
     generator = torch.Generator().manual_seed(2)
-    codes = [torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
-             for _ in range(passes)]
-    scales = [torch.rand(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
-    zeros = [torch.randn(out_features, in_features // 32, generator=generator) * 0.1 for _ in range(passes)]
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
+    zeros = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
     x = torch.randn(rows, in_features, generator=generator)
-    got = k.int4_mm(MODULE, x, k.pack_amx(codes, scales, zeros)).double()
-    expected = _amx_expected(x, sum(c.double() * s.double().repeat_interleave(32, 1) for c, s in zip(codes, scales)),
-                             sum(z.double() - 8 * s.double() for z, s in zip(zeros, scales)))
+    got = k.int4_mm(MODULE, x, k.pack_amx([codes], [scales], [zeros])).double()
+    bias = (zeros - 8 * scales).double()  # folded in float32, as the packing does
+    weight = codes.double() * scales.double().repeat_interleave(32, 1) + bias.repeat_interleave(32, 1)
+    expected = _amx_expected(x, weight)
     assert got.shape == (rows, out_features)
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
@@ -155,8 +154,8 @@ def test_an_amx_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_
     """One tile (up to 16 rows), several tiles (a prompt): every row's operations are the same."""
     generator = torch.Generator().manual_seed(3)
     weight, _ = _random_weight(48, 128, 2, seed=3)
-    amx = k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8) for _ in range(2)],
-                     list(weight.scales.unbind(0)), [torch.zeros(48, 4), torch.ones(48, 4)])
+    amx = k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)],
+                     [weight.scales[0]], [torch.ones(48, 4)])
     eight = k.pack_amx_int8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
                             torch.rand(48, 8, generator=generator))
     rows = torch.randn(37, 128, generator=torch.Generator().manual_seed(4))

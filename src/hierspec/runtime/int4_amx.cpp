@@ -1,25 +1,27 @@
-// hierspec's quantized products on AMX tiles (Intel CPUs with AMX-BF16): 16 rows for ~1.4x the time of one.
+// hierspec's quantized products on AMX tiles (Intel CPUs with AMX-BF16): 16 rows for little more than one.
 //
-// The compiled and PyTorch products cost a vector multiply-add per weight per row, so a forward of 16 rows costs
-// several one-row forwards on two cores. Here the codes of 16 outputs are decoded once to bfloat16 (the codes are
-// small integers: exact) and multiplied with up to 16 rows by one tile instruction (TDPBF16PS: bfloat16 pairs summed
-// in float32), so decoding and streaming the weight dominate until 16 rows, as they do for one.
+// A tile of 16 outputs by 32 inputs is decoded once to bfloat16 weights (each code's scale and offset applied in
+// float32, then rounded to nearest even) and multiplied with up to 16 rows (rounded to bfloat16) by one tile
+// instruction (TDPBF16PS: bfloat16 pairs summed in float32). The weights are the left operand (a row per output),
+// the inputs the right one (a column per row), and an output block's products accumulate inside two tiles over all
+// its input steps (even and odd steps, added at the end), so that more rows add no vector work per step: decoding
+// and streaming the weights dominate at 1 and 16 rows alike. (Before, the tiles multiplied the exact codes and every
+// row's products were scaled per group in vector registers: a 16-row product cost ~1.6x a one-row one in a forward;
+// BENCHMARKS.md, "Eighteenth session".)
 //
-// Two forms (PackedAmx in int4_kernel.py), a group being the inputs one scale covers:
-//   4-bit: P passes of codes 0..15, groups of 32, a bias per group folded from the passes' offsets:
-//       out[m, n] = sum_g (sum_p scale[p, n, g] * C[p, g][m, n] + bias[n, g] * xsum[m, g])
-//     codes uint8 [P, N / 16, G, 256]: byte q of chunk h holds tile row h, element q in its low nibble and tile row
-//     h + 8, element q in its high nibble, tile row r, element q being code[16 b + q / 2, 32 g + 2 r + q % 2] (the
-//     tile's pair layout); scale float32 [P, N / 16, G, 16]; bias float32 [N / 16, G, 16].
-//   8-bit (Q8_0, Q6_K): signed codes, groups of 16, no bias: out[m, n] = sum_g scale[n, g] * C[g][m, n]
-//     codes int8 [1, N / 16, G, 256]: element q of tile row r is code[16 b + q / 2, 16 g + 2 r + q % 2]; scale
-//     float32 [1, N / 16, G, 16].
-// C[p, g] is the tile product of the rows' inputs of group g, rounded to bfloat16, with the decoded codes; xsum[m, g]
-// sums row m's float32 inputs of group g.
+// Two forms (PackedAmx in int4_kernel.py), a step being 32 inputs:
+//   4-bit (Q4_0, Q4_1, Q4_K: one pass of codes 0..15): w[n, k] = code[n, k] * scale[n, g] + bias[n, g], g = k / 32
+//     codes uint8 [1, N / 16, G, 256]: byte i of pair j (bytes 32 j..) holds code[16 b + 2 j, 32 g + i] in its low
+//     nibble and code[16 b + 2 j + 1, 32 g + i] in its high one; scale float32 [1, N / 16, G, 16]; bias float32
+//     [N / 16, G, 16]. A pair of outputs is decoded through one table of their 16 possible weights each.
+//   8-bit (Q8_0, Q6_K): signed codes, w[n, k] = code[n, k] * scale[n, k / 16]
+//     codes int8 [1, N / 16, K / 32, 512]: output n's 32 codes of a step at bytes 32 n..; scale float32
+//     [1, N / 16, K / 16, 16].
 //
-// Batch invariance: the tile unit computes each output element from its own row and column only, and every row's
-// float32 operations after it run in one fixed order (groups, then passes, then the bias), whatever the number of
-// rows, how they are split into tiles or how the outputs are split between threads (tests/test_int4_kernel.py).
+// Batch invariance: the tile unit computes each output element from its own row of weights and column of inputs
+// only, every element's steps accumulate in one fixed order, and the two tiles are added in one order, whatever the
+// number of rows, how they are split into tiles or how the outputs are split between threads
+// (tests/test_int4_kernel.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,9 +41,10 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;        // outputs per tile column block
-constexpr int64_t kCodeBytes = 256;   // packed codes of one block and group, either form
-constexpr int64_t kTileRows = 16;     // rows of inputs per tile product
+constexpr int64_t kBlock = 16;                // outputs per block: the left tile's rows
+constexpr int64_t kStep = 32;                 // inputs per step: a left tile row of bfloat16
+constexpr int64_t kDecoded = kBlock * kStep;  // bfloat16 weights of a decoded tile
+constexpr int64_t kTileCols = 16;             // rows of inputs per tile product: the right tile's columns
 
 #ifdef HIERSPEC_AMX
 
@@ -59,131 +62,153 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// The 4-bit form: a 32-input group is one tile of 16 pairs, decoded through a table of bfloat16 0..15.
-struct FourBit {
-  static constexpr int64_t kInputs = 32;
-  static constexpr int64_t kDecoded = 512;  // bfloat16 elements of a decoded tile
-  const __m512i table;
-
-  FourBit() : table(make_table()) {}
-
-  static __m512i make_table() {  // twice over: vpermw reads five index bits
-    alignas(64) uint16_t table[32];
-    for (int i = 0; i < 32; ++i) {
-      const float value = static_cast<float>(i % 16);
-      uint32_t bits;
-      std::memcpy(&bits, &value, sizeof bits);
-      table[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers need no rounding
-    }
-    return _mm512_load_si512(table);
-  }
-
-  void decode(const uint8_t* src, uint16_t* dst) const {
-    for (int h = 0; h < 8; ++h) {
-      const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * h)));
-      _mm512_store_si512(dst + 32 * h, _mm512_permutexvar_epi16(_mm512_and_si512(words, _mm512_set1_epi16(15)), table));
-      _mm512_store_si512(dst + 32 * (h + 8), _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table));
-    }
-  }
-};
-
-// The 8-bit form: a 16-input group is one tile of 8 pairs, each code converted through float32 (exact).
-struct EightBit {
-  static constexpr int64_t kInputs = 16;
-  static constexpr int64_t kDecoded = 256;
-
-  void decode(const uint8_t* src, uint16_t* dst) const {
-    for (int h = 0; h < 8; ++h) {
-      const __m128i* bytes = reinterpret_cast<const __m128i*>(src + 32 * h);
-      const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
-      const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes + 1)));
-      const __m512bh both = _mm512_cvtne2ps_pbh(high, low);
-      std::memcpy(dst + 32 * h, &both, 64);
-    }
-  }
-};
-
-// tiles 0, 1: products [m x 16 float32]; 2, 3: inputs [m x Form::kInputs bfloat16]; 4, 5: codes
-// [Form::kInputs / 2 pairs x 16 outputs]. Steps alternate between the two sets so that one step's tile work can
-// overlap the next one's.
-template <class Form>
-void configure_tiles(int m) {
-  TileConfig config;
-  for (int t = 0; t < 6; ++t) {
-    config.rows[t] = t < 4 ? m : Form::kInputs / 2;
-    config.bytes_per_row[t] = t == 2 || t == 3 ? Form::kInputs * 2 : 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 struct Operands {
-  const uint16_t* inputs;  // bfloat16 [rows padded to whole tiles, K]
-  const float* xsum;       // [rows padded, G], 4-bit form only
+  const uint32_t* inputs;  // bfloat16 pairs [steps, 16, padded rows]: the right tiles
   const uint8_t* codes;
   const float* scale;
   const float* bias;       // nullptr for the 8-bit form
   float* out;              // [rows, N]
-  int64_t rows, tile_rows, passes, groups, blocks, n, k;
-
-  const uint8_t* codes_of(int64_t p, int64_t block, int64_t g) const {
-    return codes + ((p * blocks + block) * groups + g) * kCodeBytes;
-  }
-  const float* scale_of(int64_t p, int64_t block, int64_t g) const {
-    return scale + ((p * blocks + block) * groups + g) * kBlock;
-  }
-  const float* bias_of(int64_t block, int64_t g) const { return bias + (block * groups + g) * kBlock; }
+  int64_t rows, padded, steps, groups, blocks, n;
 };
 
-// product = rows r0.. of group g times one decoded tile, on tile set S
-template <int S, class Form>
-inline void tile_product(const Operands& o, const uint16_t* tile, int64_t g, int64_t r0, float (*product)[16]) {
-  const uint16_t* inputs = o.inputs + r0 * o.k + g * Form::kInputs;
-  // the tile intrinsics take their tile numbers as literals
-  if constexpr (S == 0) {
-    _tile_loadd(2, inputs, o.k * 2);
-    _tile_loadd(4, tile, 64);
-    _tile_zero(0);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_stored(0, product, 64);
-  } else {
-    _tile_loadd(3, inputs, o.k * 2);
-    _tile_loadd(5, tile, 64);
-    _tile_zero(1);
-    _tile_dpbf16ps(1, 3, 5);
-    _tile_stored(1, product, 64);
+inline __m512i as_words(__m512bh v) {
+  __m512i words;
+  std::memcpy(&words, &v, sizeof words);
+  return words;
+}
+
+// The 4-bit form: step g of a block is scale group g.
+struct FourBit {
+  static constexpr int64_t kCodeBytes = 256;
+  static constexpr int64_t kScaleBytes = 64;  // a step's scales (and biases)
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+  static const float* scale_of(const Operands& o, int64_t block, int64_t step) {
+    return o.scale + (block * o.groups + step) * kBlock;
+  }
+  static const float* bias_of(const Operands& o, int64_t block, int64_t step) {
+    return o.bias + (block * o.groups + step) * kBlock;
+  }
+
+  void decode(const Operands& o, int64_t block, int64_t step, uint16_t* dst) const {
+    const uint8_t* src = o.codes + (block * o.steps + step) * kCodeBytes;
+    const float* scale = scale_of(o, block, step);
+    const float* bias = bias_of(o, block, step);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 even = _mm512_fmadd_ps(codes, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
+      const __m512 odd = _mm512_fmadd_ps(codes, _mm512_set1_ps(scale[2 * j + 1]), _mm512_set1_ps(bias[2 * j + 1]));
+      const __m512i table = as_words(_mm512_cvtne2ps_pbh(odd, even));  // entries 0..15 even, 16..31 odd
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)));
+      const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
+      const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(16));
+      _mm512_store_si512(dst + 64 * j, _mm512_permutexvar_epi16(low, table));
+      _mm512_store_si512(dst + 64 * j + 32, _mm512_permutexvar_epi16(high, table));
+    }
+  }
+};
+
+// The 8-bit form: step s of a block covers scale groups 2 s and 2 s + 1; each code converted through float32.
+struct EightBit {
+  static constexpr int64_t kCodeBytes = 512;
+  static constexpr int64_t kScaleBytes = 128;
+
+  static const float* scale_of(const Operands& o, int64_t block, int64_t step) {
+    return o.scale + (block * o.groups + 2 * step) * kBlock;
+  }
+  static const float* bias_of(const Operands&, int64_t, int64_t) { return nullptr; }
+
+  void decode(const Operands& o, int64_t block, int64_t step, uint16_t* dst) const {
+    const int8_t* src = reinterpret_cast<const int8_t*>(o.codes) + (block * o.steps + step) * kCodeBytes;
+    const float* scale = scale_of(o, block, step);
+    for (int n = 0; n < 16; ++n) {
+      const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * n);
+      const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))),
+                                       _mm512_set1_ps(scale[n]));
+      const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))),
+                                        _mm512_set1_ps(scale[kBlock + n]));
+      _mm512_store_si512(dst + 32 * n, as_words(_mm512_cvtne2ps_pbh(high, low)));
+    }
+  }
+};
+
+// tiles 0, 1: products [16 outputs x cols float32] of the even and odd steps; 2, 3: decoded weights [16 outputs x
+// 32 bfloat16]; 4, 5: inputs [16 pairs x cols pairs]. Steps alternate between the two sets so that one step's tile
+// work can overlap the next one's.
+void configure_tiles(int cols) {
+  TileConfig config;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = t == 2 || t == 3 ? 64 : 4 * cols;
+  }
+  _tile_loadconfig(&config);
+}
+
+// a 16 x 16 float32 matrix in 16 registers, transposed in place
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
   }
 }
 
-// acc[j] += scale * product[j], then for a group's last pass its bias times the rows' sums
-inline void accumulate(const Operands& o, const float (*product)[16], int64_t block, int64_t i, int64_t r0,
-                       int64_t count, __m512* acc) {
-  const int64_t g = i / o.passes, p = i % o.passes;
-  const __m512 s = _mm512_loadu_ps(o.scale_of(p, block, g));
-  for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(_mm512_load_ps(product[j]), s, acc[j]);
-  if (o.bias == nullptr || p != o.passes - 1) return;
-  const __m512 bias = _mm512_loadu_ps(o.bias_of(block, g));
-  for (int64_t j = 0; j < count; ++j)
-    acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(o.xsum[(r0 + j) * o.groups + g]), bias, acc[j]);
+// out[c0 + j, block's 16 outputs] = even[., j] + odd[., j] (the tiles hold an output per row, an input row per
+// column): a column gathered for a few rows, the whole sum transposed in registers for more
+inline void write_rows(const Operands& o, int64_t block, int64_t c0, int64_t count, float (*even)[16],
+                       const float (*odd)[16]) {
+  float* out = o.out + c0 * o.n + block * kBlock;
+  if (count <= 4) {
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    for (int64_t j = 0; j < count; ++j)
+      _mm512_storeu_ps(out + j * o.n, _mm512_add_ps(_mm512_i32gather_ps(column, &even[0][j], 4),
+                                                    _mm512_i32gather_ps(column, &odd[0][j], 4)));
+    return;
+  }
+  __m512 sums[16];
+  for (int r = 0; r < 16; ++r) sums[r] = _mm512_add_ps(_mm512_load_ps(even[r]), _mm512_load_ps(odd[r]));
+  transpose16(sums);
+  for (int64_t j = 0; j < count; ++j) _mm512_storeu_ps(out + j * o.n, sums[j]);
 }
 
-// Rows r0 .. r0 + count of one output block, step i (group i / P, pass i % P) reading its decoded tile from
-// tile_of(i) after decode_ahead(i) had its chance to decode tiles ahead. Step i's stored product is read back
-// while step i + 1's tiles are multiplied (a tile store reaches ordinary loads late), every row adding the steps
-// in order: the same operations per row on every path.
-template <class Form, class TileOf, class DecodeAhead>
-void block_rows(const Operands& o, int64_t block, int64_t r0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
-  alignas(64) float products[2][16][16];
-  __m512 acc[kTileRows];
-  for (int64_t j = 0; j < count; ++j) acc[j] = _mm512_setzero_ps();
-  const int64_t steps = o.groups * o.passes;
-  for (int64_t i = 0; i < steps; ++i) {
+// Rows c0 .. c0 + count of one output block, step i's decoded weights read from tile_of(i) after decode_ahead(i)
+// had its chance to decode steps ahead.
+template <class TileOf, class DecodeAhead>
+void block_rows(const Operands& o, int64_t block, int64_t c0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t stride = o.padded * 4;
+  for (int64_t i = 0; i < o.steps; ++i) {
     decode_ahead(i);
-    if (i & 1) tile_product<1, Form>(o, tile_of(i), i / o.passes, r0, products[1]);
-    else tile_product<0, Form>(o, tile_of(i), i / o.passes, r0, products[0]);
-    if (i > 0) accumulate(o, products[(i - 1) & 1], block, i - 1, r0, count, acc);
+    const uint32_t* inputs = o.inputs + i * 16 * o.padded + c0;
+    if (i & 1) {  // the tile intrinsics take their tile numbers as literals
+      _tile_loadd(3, tile_of(i), 64);
+      _tile_loadd(5, inputs, stride);
+      _tile_dpbf16ps(1, 3, 5);
+    } else {
+      _tile_loadd(2, tile_of(i), 64);
+      _tile_loadd(4, inputs, stride);
+      _tile_dpbf16ps(0, 2, 4);
+    }
   }
-  accumulate(o, products[(steps - 1) & 1], block, steps - 1, r0, count, acc);
-  for (int64_t j = 0; j < count; ++j) _mm512_storeu_ps(o.out + (r0 + j) * o.n + block * kBlock, acc[j]);
+  alignas(64) float even[16][16], odd[16][16];
+  _tile_stored(0, even, 64);
+  _tile_stored(1, odd, 64);
+  write_rows(o, block, c0, count, even, odd);
 }
 
 // rows that fit one tile: each step's codes decoded kAhead steps before their product into a ring of slots, so
@@ -192,16 +217,23 @@ constexpr int64_t kAhead = 4;
 constexpr int64_t kSlots = 8;
 
 // The codes, scales and biases are read once per forward, block after block: each step asks for the lines it will
-// read ~16 steps later (codes 4 KB ahead, scales and biases 1 KB), so memory is read while the tiles are decoded.
-// Without it the 1-token products of a SmolLM2 forward streamed at ~9 GB/s where the LM head alone reaches ~30
-// (BENCHMARKS.md, "Seventeenth session"). Prefetching past a tensor's end is harmless.
-constexpr int64_t kPrefetchBytes = 4096;
+// read 4-8 steps later (codes 2 KB ahead, scales and biases 512 bytes), so memory is read while the tiles are
+// decoded. Without it the 1-token products of a SmolLM2 forward streamed at ~9 GB/s where the LM head alone reaches
+// ~30 (BENCHMARKS.md, "Seventeenth session"); with this kernel 2 KB ahead measured better than 1, 4 and 8 KB.
+// Prefetching past a tensor's end is harmless. The helpers are forced inline: gcc 12 otherwise finds them free of
+// side effects and deletes their calls, prefetches and all (it did, silently, in a first build of this kernel).
+constexpr int64_t kPrefetchBytes = 2048;
 
-inline void prefetch_ahead(const uint8_t* codes, const float* scale, const float* bias) {
-  const char* ahead = reinterpret_cast<const char*>(codes) + kPrefetchBytes;
-  for (int64_t line = 0; line < kCodeBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(scale) + kPrefetchBytes / 4, _MM_HINT_T0);
-  if (bias != nullptr) _mm_prefetch(reinterpret_cast<const char*>(bias) + kPrefetchBytes / 4, _MM_HINT_T0);
+__attribute__((always_inline)) inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(start);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
+template <class Form>
+__attribute__((always_inline)) inline void prefetch_ahead(const Operands& o, int64_t block, int64_t step) {
+  prefetch_lines(o.codes + (block * o.steps + step) * Form::kCodeBytes + kPrefetchBytes, Form::kCodeBytes);
+  prefetch_lines(Form::scale_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
+  if (o.bias != nullptr) prefetch_lines(Form::bias_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
 }
 
 uint16_t* aligned_scratch(std::vector<uint16_t>& storage, int64_t elements) {
@@ -213,46 +245,43 @@ template <class Form>
 void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
   thread_local std::vector<uint16_t> storage;
   const Form form;
-  const int64_t passes = o.passes, steps = o.groups * passes;
-  configure_tiles<Form>(static_cast<int>(o.tile_rows));
-  if (o.rows <= o.tile_rows) {
-    uint16_t* slots = aligned_scratch(storage, kSlots * Form::kDecoded);
+  const int64_t steps = o.steps;
+  configure_tiles(static_cast<int>(std::min(o.rows, kTileCols)));
+  if (o.rows <= kTileCols) {
+    uint16_t* slots = aligned_scratch(storage, kSlots * kDecoded);
     for (int64_t block = begin; block < end; ++block) {
       auto decode = [&](int64_t i) {
-        const int64_t g = i / passes, p = i % passes;
-        const uint8_t* codes = o.codes_of(p, block, g);
-        prefetch_ahead(codes, o.scale_of(p, block, g), o.bias == nullptr ? nullptr : o.bias_of(block, g));
-        form.decode(codes, slots + (i % kSlots) * Form::kDecoded);
+        prefetch_ahead<Form>(o, block, i);
+        form.decode(o, block, i, slots + (i % kSlots) * kDecoded);
       };
       for (int64_t i = 0; i < std::min(kAhead, steps); ++i) decode(i);
-      block_rows<Form>(o, block, 0, o.rows, [&](int64_t i) { return slots + (i % kSlots) * Form::kDecoded; },
-                       [&](int64_t i) { if (i + kAhead < steps) decode(i + kAhead); });
+      block_rows(o, block, 0, o.rows, [&](int64_t i) { return slots + (i % kSlots) * kDecoded; },
+                 [&](int64_t i) { if (i + kAhead < steps) decode(i + kAhead); });
     }
-  } else {  // many rows (a prompt, a large batch): the block's codes decoded once for all its row tiles
-    uint16_t* tiles = aligned_scratch(storage, steps * Form::kDecoded);
+  } else {  // many rows (a prompt, a large batch): the block's weights decoded once for all its row tiles
+    uint16_t* tiles = aligned_scratch(storage, steps * kDecoded);
     for (int64_t block = begin; block < end; ++block) {
-      for (int64_t i = 0; i < steps; ++i)
-        form.decode(o.codes_of(i % passes, block, i / passes), tiles + i * Form::kDecoded);
-      for (int64_t r0 = 0; r0 < o.rows; r0 += o.tile_rows)
-        block_rows<Form>(o, block, r0, std::min(o.tile_rows, o.rows - r0),
-                         [&](int64_t i) { return tiles + i * Form::kDecoded; }, [](int64_t) {});
+      for (int64_t i = 0; i < steps; ++i) form.decode(o, block, i, tiles + i * kDecoded);
+      for (int64_t c0 = 0; c0 < o.rows; c0 += kTileCols)
+        block_rows(o, block, c0, std::min(kTileCols, o.rows - c0), [&](int64_t i) { return tiles + i * kDecoded; },
+                   [](int64_t) {});
     }
   }
   _tile_release();
 }
 
-// The rows as bfloat16 [rows padded to whole tiles, K] (round to nearest even), and for the 4-bit form each row's
-// float32 sum per group of 32.
-void prepare_inputs(const float* x, int64_t rows, int64_t padded, int64_t k, bool sums, std::vector<uint16_t>& inputs,
-                    std::vector<float>& xsum) {
-  inputs.assign(static_cast<size_t>(padded * k), 0);
-  xsum.assign(sums ? static_cast<size_t>(padded * (k / 32)) : 0, 0.f);
-  for (int64_t i = 0; i < rows * k / 32; ++i) {
-    const __m512 a = _mm512_loadu_ps(x + i * 32), b = _mm512_loadu_ps(x + i * 32 + 16);
-    if (sums) xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    const __m512bh both = _mm512_cvtne2ps_pbh(b, a);  // a in the low half: elements in order
-    std::memcpy(inputs.data() + i * 32, &both, 64);
-  }
+// The rows as the right tiles take them: bfloat16 (round to nearest even) pairs [steps, 16, padded], pair r of
+// step s of row m holding its inputs 32 s + 2 r and 32 s + 2 r + 1; padding rows are zero.
+void prepare_inputs(const float* x, int64_t rows, int64_t padded, int64_t steps, std::vector<uint32_t>& inputs) {
+  inputs.assign(static_cast<size_t>(steps * 16 * padded), 0);
+  const __m512i pair = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(static_cast<int>(padded)));
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t s = 0; s < steps; ++s) {
+      const float* src = x + m * steps * kStep + s * kStep;
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+      _mm512_i32scatter_epi32(inputs.data() + s * 16 * padded + m, pair, as_words(both), 4);
+    }
 }
 
 #endif  // HIERSPEC_AMX
@@ -268,37 +297,36 @@ bool amx_ready() {
 #endif
 }
 
-// x: float32 [M, K]; codes: uint8 (4-bit form) or int8 (8-bit form) [P, N / 16, G, 256]; scale: float32
-// [P, N / 16, G, 16]; bias: float32 [N / 16, G, 16] for the 4-bit form, empty for the 8-bit one. Returns float32
-// [M, N].
+// x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 256] (4-bit form) or int8 [1, N / 16, K / 32, 512] (8-bit
+// form); scale: float32 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: float32 [N / 16, K / 32, 16] for
+// the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const bool eight = codes.scalar_type() == torch::kInt8;
   TORCH_CHECK(codes.dim() == 4 && (eight || codes.scalar_type() == torch::kUInt8) && codes.is_contiguous() &&
-                  codes.size(3) == kCodeBytes && (!eight || codes.size(0) == 1),
-              "codes: contiguous uint8 [P, N / 16, G, 256] or int8 [1, N / 16, G, 256]");
-  const int64_t rows = x.size(0), k = x.size(1), passes = codes.size(0), blocks = codes.size(1),
-                groups = codes.size(2), n = blocks * kBlock;
-  TORCH_CHECK(k == groups * (eight ? 16 : 32) && k % 32 == 0, "K must match the codes' groups (32 or 16 inputs)");
+                  codes.size(0) == 1 && codes.size(3) == (eight ? 512 : 256),
+              "codes: contiguous uint8 [1, N / 16, K / 32, 256] or int8 [1, N / 16, K / 32, 512]");
+  const int64_t rows = x.size(0), k = x.size(1), blocks = codes.size(1), steps = codes.size(2), n = blocks * kBlock;
+  const int64_t groups = eight ? 2 * steps : steps;
+  TORCH_CHECK(k == steps * kStep, "K must match the codes' steps of 32 inputs");
   TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  scale.sizes() == torch::IntArrayRef({passes, blocks, groups, kBlock}),
-              "scale: contiguous float32 [P, N / 16, G, 16]");
+                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
+              "scale: contiguous float32 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] (8-bit)");
   TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 &&
                                            bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
-              "bias: contiguous float32 [N / 16, G, 16] (4-bit codes) or empty (8-bit codes)");
+              "bias: contiguous float32 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
   auto out = torch::empty({rows, n}, x.options());
-  if (rows == 0) return out;  // nothing to multiply (and no tile of 0 rows to configure)
+  if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)
 #ifdef HIERSPEC_AMX
-  const int64_t tile_rows = std::min<int64_t>(rows, kTileRows);
-  const int64_t padded = (rows + tile_rows - 1) / tile_rows * tile_rows;
-  thread_local std::vector<uint16_t> inputs;
-  thread_local std::vector<float> xsum;
-  prepare_inputs(x.data_ptr<float>(), rows, padded, k, !eight, inputs, xsum);
-  const Operands o{inputs.data(), xsum.data(), static_cast<const uint8_t*>(codes.data_ptr()),
-                   scale.data_ptr<float>(), eight ? nullptr : bias.data_ptr<float>(), out.data_ptr<float>(),
-                   rows, tile_rows, passes, groups, blocks, n, k};
+  const int64_t cols = std::min(rows, kTileCols);
+  const int64_t padded = (rows + cols - 1) / cols * cols;
+  thread_local std::vector<uint32_t> inputs;
+  prepare_inputs(x.data_ptr<float>(), rows, padded, steps, inputs);
+  const Operands o{inputs.data(), static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
+                   eight ? nullptr : bias.data_ptr<float>(), out.data_ptr<float>(), rows, padded, steps, groups,
+                   blocks, n};
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     if (eight) blocks_of_outputs<EightBit>(o, begin, end);
     else blocks_of_outputs<FourBit>(o, begin, end);

@@ -118,26 +118,20 @@ def _folded_bias(scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]) 
 
 @dataclass(frozen=True)
 class PackedAmx:
-    """A weight in the AMX products' layout (``int4_amx.cpp``): tiles of 16 outputs by one scale group.
+    """A weight in the AMX products' layout (``int4_amx.cpp``): tiles of 16 outputs by a step of 32 inputs, which
+    the kernel decodes to bfloat16 weights (scale and offset applied in float32, then rounded).
 
     Attributes:
-        codes: uint8 ``[passes, out / 16, in / 32, 256]`` (4-bit passes: two codes a byte) or int8
-            ``[1, out / 16, in / 16, 256]`` (8-bit codes), each 256 bytes in the tile's pair order.
-        scales: float32 ``[passes, out / 16, groups, 16]``.
-        bias: float32 ``[out / 16, in / 32, 16]`` for 4-bit passes (their offsets summed), empty for 8-bit codes.
+        codes: uint8 ``[1, out / 16, in / 32, 256]`` (one 4-bit pass: outputs ``2j`` and ``2j + 1`` share byte
+            ``i`` of the tile's pair ``j``, low and high nibble) or int8 ``[1, out / 16, in / 32, 512]`` (8-bit
+            codes, 32 per output).
+        scales: float32 ``[1, out / 16, groups, 16]`` (a group being 32 inputs for 4-bit codes, 16 for 8-bit).
+        bias: float32 ``[out / 16, in / 32, 16]`` for a 4-bit pass (its offset), empty for 8-bit codes.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor
-
-
-def _pair_tiles(codes: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes ``[out, in]`` as ``[out / 16, in / group, group / 2, 32]``: tile row ``r``, element ``q`` of block ``b``
-    and group ``g`` is ``codes[16 b + q // 2, group g + 2 r + q % 2]``."""
-    rows, cols = codes.shape
-    tiles = codes.reshape(rows // 16, 16, cols // group, group // 2, 2).permute(0, 2, 3, 1, 4)
-    return tiles.reshape(rows // 16, cols // group, group // 2, 32)
 
 
 def _per_block(values: torch.Tensor) -> torch.Tensor:
@@ -148,19 +142,27 @@ def _per_block(values: torch.Tensor) -> torch.Tensor:
 
 def pack_amx(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
              ) -> PackedAmx:
-    """The AMX layout of 4-bit passes ``w = (code - 8) * scale + zero`` (as :func:`pack_passes` takes them; ``out``
-    a multiple of 16): tile rows ``h`` and ``h + 8`` share a byte (low and high nibble)."""
-    packed = []
-    for pass_codes in codes:
-        tiles = _pair_tiles(pass_codes, GROUP)
-        packed.append((tiles[:, :, :8] | (tiles[:, :, 8:] << 4)).reshape(*tiles.shape[:2], 256))
-    return PackedAmx(torch.stack(packed).contiguous(), torch.stack([_per_block(s) for s in scales]).contiguous(),
+    """The AMX layout of one 4-bit pass ``w = (code - 8) * scale + zero`` (as :func:`pack_passes` takes it; ``out``
+    a multiple of 16). Weights of several passes take the 8-bit form (:func:`pack_amx_int8`), as
+    :class:`~hierspec.runtime.quantized.Int4Projection` packs them.
+
+    Example: outputs 0 and 1 with codes 3 and 5 at input 0 pack to byte ``0x53`` (the first byte of the tile).
+    """
+    if len(codes) != 1:
+        raise ValueError(f"the AMX 4-bit form takes one pass, not {len(codes)} (several passes: the 8-bit form)")
+    (pass_codes,) = codes
+    rows, cols = pass_codes.shape
+    pairs = pass_codes.reshape(rows // 16, 8, 2, cols // GROUP, GROUP).permute(0, 3, 1, 2, 4)
+    packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows // 16, cols // GROUP, 256)
+    return PackedAmx(packed.unsqueeze(0).contiguous(), _per_block(scales[0]).unsqueeze(0).contiguous(),
                      _per_block(_folded_bias(scales, zeros)))
 
 
 def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
     """The AMX layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs (:class:`PackedInt8`)."""
-    tiles = _pair_tiles(codes, 16).reshape(codes.shape[0] // 16, codes.shape[1] // 16, 256)
+    rows, cols = codes.shape
+    tiles = codes.reshape(rows // 16, 16, cols // GROUP, GROUP).permute(0, 2, 1, 3).reshape(rows // 16, cols // GROUP,
+                                                                                           512)
     return PackedAmx(tiles.unsqueeze(0).contiguous(), _per_block(scales).unsqueeze(0).contiguous(), torch.empty(0))
 
 
@@ -275,21 +277,20 @@ def amx_reason() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _check_amx(module) -> str | None:
-    """Why the AMX products are wrong (against float64 with the inputs rounded to bfloat16, as the tiles take them)
-    or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``."""
+    """Why the AMX products are wrong (against float64 with the inputs and the decoded weights rounded to bfloat16,
+    as the tiles take them) or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 32, 96
-    codes, scales, zeros = _random_passes(generator, out_features, in_features)
+    codes, scales, zeros = _random_passes(generator, out_features, in_features, passes=1)
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator)
     rows = torch.randn(17, in_features, generator=generator)
     inputs = rows.bfloat16().double()
-    sums = rows.double().reshape(17, -1, GROUP).sum(-1)
-    four = sum(c.double() * s.double().repeat_interleave(GROUP, 1) for c, s in zip(codes, scales))
-    bias = sum(z.double() - 8 * s.double() for z, s in zip(zeros, scales))
+    bias = (zeros[0] - 8 * scales[0]).double()  # folded in float32, as the packing does
+    four = (codes[0].double() * scales[0].double().repeat_interleave(GROUP, 1) + bias.repeat_interleave(GROUP, 1))
     eight = signed.double() * signed_scales.double().repeat_interleave(16, 1)
-    cases = ((pack_amx(codes, scales, zeros), inputs @ four.t() + sums @ bias.t()),
-             (pack_amx_int8(signed, signed_scales), inputs @ eight.t()))
+    cases = ((pack_amx(codes, scales, zeros), inputs @ four.float().bfloat16().double().t()),
+             (pack_amx_int8(signed, signed_scales), inputs @ eight.float().bfloat16().double().t()))
     for packed, expected in cases:
         try:
             whole = int4_mm(module, rows, packed)
