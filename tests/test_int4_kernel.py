@@ -163,6 +163,23 @@ def test_an_amx_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_
 
 
 @needs_amx
+def test_amx_rows_are_bit_identical_across_every_way_of_splitting_them_into_tiles():
+    """One column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a last
+    single tile): the rows' products never change."""
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)
+    packs = [k.pack_amx([codes], [torch.rand(32, 3, generator=generator)], [torch.randn(32, 3, generator=generator)]),
+             k.pack_amx_int8(torch.randint(-128, 128, (32, 96), generator=generator, dtype=torch.int8),
+                             torch.rand(32, 6, generator=generator))]
+    rows = torch.randn(70, 96, generator=generator)
+    for packed in packs:
+        whole = k.int4_mm(MODULE, rows, packed)
+        for count in (1, 4, 5, 16, 17, 31, 32, 33, 48, 49, 64, 65):
+            assert torch.equal(k.int4_mm(MODULE, rows[:count].contiguous(), packed), whole[:count]), count
+            assert torch.equal(k.int4_mm(MODULE, rows[70 - count:].contiguous(), packed), whole[70 - count:]), count
+
+
+@needs_amx
 def test_the_amx_products_of_no_rows_are_empty_as_the_compiled_ones():
     codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
     scales, zeros = torch.ones(32, 2), torch.zeros(32, 2)

@@ -131,14 +131,14 @@ struct EightBit {
   }
 };
 
-// tiles 0, 1: products [16 outputs x cols float32] of the even and odd steps; 2, 3: decoded weights [16 outputs x
-// 32 bfloat16]; 4, 5: inputs [16 pairs x cols pairs]. Steps alternate between the two sets so that one step's tile
-// work can overlap the next one's.
+// tiles 0, 1: products [16 outputs x cols float32] of a column tile's even and odd steps (2, 3: a second column
+// tile's); 4, 5: decoded weights [16 outputs x 32 bfloat16] of even and odd steps; 6, 7: inputs [16 pairs x cols
+// pairs]. Steps alternate between the tile sets so that one step's tile work can overlap the next one's.
 void configure_tiles(int cols) {
   TileConfig config;
-  for (int t = 0; t < 6; ++t) {
+  for (int t = 0; t < 8; ++t) {
     config.rows[t] = 16;
-    config.bytes_per_row[t] = t == 2 || t == 3 ? 64 : 4 * cols;
+    config.bytes_per_row[t] = t == 4 || t == 5 ? 64 : 4 * cols;
   }
   _tile_loadconfig(&config);
 }
@@ -185,30 +185,52 @@ inline void write_rows(const Operands& o, int64_t block, int64_t c0, int64_t cou
   for (int64_t j = 0; j < count; ++j) _mm512_storeu_ps(out + j * o.n, sums[j]);
 }
 
-// Rows c0 .. c0 + count of one output block, step i's decoded weights read from tile_of(i) after decode_ahead(i)
-// had its chance to decode steps ahead.
-template <class TileOf, class DecodeAhead>
+// Rows c0 .. c0 + count of one output block (one column tile, or two: count up to 32), step i's decoded weights
+// read from tile_of(i) after decode_ahead(i) had its chance to decode steps ahead. Each column tile's even and odd
+// steps go to tiles of their own, added at the end: the same operations for a row in either form.
+template <int Tiles, class TileOf, class DecodeAhead>
 void block_rows(const Operands& o, int64_t block, int64_t c0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
   _tile_zero(0);
   _tile_zero(1);
+  if constexpr (Tiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   const int64_t stride = o.padded * 4;
   for (int64_t i = 0; i < o.steps; ++i) {
     decode_ahead(i);
     const uint32_t* inputs = o.inputs + i * 16 * o.padded + c0;
-    if (i & 1) {  // the tile intrinsics take their tile numbers as literals
-      _tile_loadd(3, tile_of(i), 64);
-      _tile_loadd(5, inputs, stride);
-      _tile_dpbf16ps(1, 3, 5);
+    // the tile intrinsics take their tile numbers as literals; one column tile alternates its input tiles too
+    if (i & 1) {
+      _tile_loadd(5, tile_of(i), 64);
+      if constexpr (Tiles == 2) {
+        _tile_loadd(6, inputs, stride);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(7, inputs + kTileCols, stride);
+        _tile_dpbf16ps(3, 5, 7);
+      } else {
+        _tile_loadd(7, inputs, stride);
+        _tile_dpbf16ps(1, 5, 7);
+      }
     } else {
-      _tile_loadd(2, tile_of(i), 64);
-      _tile_loadd(4, inputs, stride);
-      _tile_dpbf16ps(0, 2, 4);
+      _tile_loadd(4, tile_of(i), 64);
+      _tile_loadd(6, inputs, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (Tiles == 2) {
+        _tile_loadd(7, inputs + kTileCols, stride);
+        _tile_dpbf16ps(2, 4, 7);
+      }
     }
   }
   alignas(64) float even[16][16], odd[16][16];
   _tile_stored(0, even, 64);
   _tile_stored(1, odd, 64);
-  write_rows(o, block, c0, count, even, odd);
+  write_rows(o, block, c0, std::min(count, kTileCols), even, odd);
+  if constexpr (Tiles == 2) {
+    _tile_stored(2, even, 64);
+    _tile_stored(3, odd, 64);
+    write_rows(o, block, c0 + kTileCols, count - kTileCols, even, odd);
+  }
 }
 
 // rows that fit one tile: each step's codes decoded kAhead steps before their product into a ring of slots, so
@@ -247,24 +269,29 @@ void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
   const Form form;
   const int64_t steps = o.steps;
   configure_tiles(static_cast<int>(std::min(o.rows, kTileCols)));
-  if (o.rows <= kTileCols) {
+  if (o.rows <= 2 * kTileCols) {  // a token, a tree, a few sequences' trees: decoded into a ring as they are used
     uint16_t* slots = aligned_scratch(storage, kSlots * kDecoded);
+    auto slot = [&](int64_t i) { return slots + (i % kSlots) * kDecoded; };
     for (int64_t block = begin; block < end; ++block) {
       auto decode = [&](int64_t i) {
         prefetch_ahead<Form>(o, block, i);
-        form.decode(o, block, i, slots + (i % kSlots) * kDecoded);
+        form.decode(o, block, i, slot(i));
       };
       for (int64_t i = 0; i < std::min(kAhead, steps); ++i) decode(i);
-      block_rows(o, block, 0, o.rows, [&](int64_t i) { return slots + (i % kSlots) * kDecoded; },
-                 [&](int64_t i) { if (i + kAhead < steps) decode(i + kAhead); });
+      auto ahead = [&](int64_t i) { if (i + kAhead < steps) decode(i + kAhead); };
+      if (o.rows <= kTileCols) block_rows<1>(o, block, 0, o.rows, slot, ahead);
+      else block_rows<2>(o, block, 0, o.rows, slot, ahead);
     }
-  } else {  // many rows (a prompt, a large batch): the block's weights decoded once for all its row tiles
+  } else {  // many rows (a prompt, a large batch): the block's weights decoded once for all its column tiles
     uint16_t* tiles = aligned_scratch(storage, steps * kDecoded);
+    auto tile = [&](int64_t i) { return tiles + i * kDecoded; };
     for (int64_t block = begin; block < end; ++block) {
-      for (int64_t i = 0; i < steps; ++i) form.decode(o, block, i, tiles + i * kDecoded);
-      for (int64_t c0 = 0; c0 < o.rows; c0 += kTileCols)
-        block_rows(o, block, c0, std::min(kTileCols, o.rows - c0), [&](int64_t i) { return tiles + i * kDecoded; },
-                   [](int64_t) {});
+      for (int64_t i = 0; i < steps; ++i) form.decode(o, block, i, tile(i));
+      for (int64_t c0 = 0; c0 < o.rows; c0 += 2 * kTileCols) {
+        const int64_t count = std::min(2 * kTileCols, o.rows - c0);
+        if (count > kTileCols) block_rows<2>(o, block, c0, count, tile, [](int64_t) {});
+        else block_rows<1>(o, block, c0, count, tile, [](int64_t) {});
+      }
     }
   }
   _tile_release();
