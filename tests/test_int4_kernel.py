@@ -315,3 +315,16 @@ def test_a_choice_that_cannot_be_kept_is_logged_and_leaves_no_file(tmp_path, cap
     k.write_choice(blocker / "choice-t2.json", "torch", "torch", {})
     assert "is timed again at the next load" in caplog.text
     assert list(tmp_path.iterdir()) == [blocker]
+
+
+@needs_kernel
+def test_the_compiled_activation_is_silu_times_up_to_float32_rounding_and_row_by_row():
+    generator = torch.Generator().manual_seed(11)
+    both = torch.randn(7, 2 * 37, generator=generator) * 6  # a width with a tail past whole vectors
+    gate, up = both[:, :37], both[:, 37:]
+    act = MODULE.silu_product(gate, up)
+    exact = torch.nn.functional.silu(gate.double()) * up.double()
+    assert ((act.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item() < 1e-6
+    assert torch.equal(MODULE.silu_product(gate[3:4].contiguous(), up[3:4].contiguous())[0], act[3])
+    with pytest.raises(RuntimeError, match="gate, up"):
+        MODULE.silu_product(gate.t(), up.t())

@@ -147,6 +147,7 @@ class LlamaFamilyDecoder:
         compiled = quantized is not None and self.embedding.dtype == torch.float32
         self._fused = Int4Layers.for_decoder(self) if compiled else None
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
+        self._activation = self._fused.activation if self._fused is not None else _silu_product
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True
@@ -284,7 +285,7 @@ class LlamaFamilyDecoder:
         (out,) = layer.out(attended)
         hidden = hidden + out
         gate, up = layer.gate_up(self._norm(hidden, layer.norm2, self.eps))
-        (down,) = layer.down(F.silu(gate) * up)
+        (down,) = layer.down(self._activation(gate, up))
         return hidden + down
 
     def _attention_inputs(self, layer: _Layer, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -387,9 +388,18 @@ class Int4Layers:
                                         d.scaling, layer.norm2, layer.out.native, layer.gate_up.native,
                                         layer.down.native, layer.gate_up.widths[0])
 
+    def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` (the compiled one: the int4 path's on every call)."""
+        return self._module.silu_product(gate, up)
+
     def mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return self._module.mlp_block(hidden, attended, layer.norm2, self._decoder.eps, layer.out.native,
                                       layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])
+
+
+def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama MLP activation, ``silu(gate) * up``."""
+    return F.silu(gate) * up
 
 
 def _rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -26,37 +26,12 @@ namespace {
 
 using hierspec_int4::kLanes;
 using hierspec_int4::load;
+using hierspec_int4::exp_vector;
+using hierspec_int4::vi;
 using hierspec_int4::vf;
 
 // below this many (row, key, head) triples a call runs on one thread: waking the pool costs more than it saves
 constexpr int64_t kParallelWork = 4096;
-
-// Cephes' expf: ln 2 split in two for the range reduction, the polynomial of e^r on |r| <= ln2 / 2
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2High = 0.693359375f;
-constexpr float kLn2Low = -2.12194440e-4f;
-constexpr float kExpFloor = -87.f;  // below it exp leaves float32's normal range
-
-using hierspec_int4::vi;
-
-// exp(x) for x in [kExpFloor, 0], within ~1 ulp: n = floor(x log2 e + 1/2), r = x - n ln 2 in two parts, e^r by its
-// polynomial, 2^n built in the exponent bits (floor as truncation less one where that rounded up: exact for these
-// magnitudes).
-inline vf exp_vector(vf x) {
-  const vf floor_value = vf{} + kExpFloor;
-  x = x < floor_value ? floor_value : x;
-  const vf y = x * kLog2e + 0.5f;
-  const vi truncated = __builtin_convertvector(y, vi);
-  const vf t = __builtin_convertvector(truncated, vf);
-  const vi whole = truncated - (y < t ? vi{} + 1 : vi{});
-  const vf n = __builtin_convertvector(whole, vf);
-  vf r = x - n * kLn2High;
-  r = r - n * kLn2Low;
-  const vf p = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
-                1.6666665459e-1f) * r + 5.0000001201e-1f;
-  const vi bits = (whole + 127) << 23;
-  return ((r * r) * p + r + 1.f) * reinterpret_cast<const vf&>(bits);
-}
 
 // The lanes of v summed pairwise in halves (lane i with i + lanes / 2, and so on): a fixed order
 inline float halving_sum(vf v) {

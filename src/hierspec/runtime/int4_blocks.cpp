@@ -2,9 +2,11 @@
 //
 // A layer of the int4 path is ~40 small tensor operations besides its four weight products; called from Python each
 // costs its interpreter and dispatch overhead (a SmolLM2 one-token step: ~5 ms of ~11 outside the products, on an
-// Intel Xeon with AMX). Here the same ATen operations run in the same order from C++ — the products through the
-// same kernels, the rotation and residual sums as the Python decoder writes them — so the results are the Python
-// decoder's bit for bit (tests/test_int4_kernel.py); the RMS norm is rms_norm below on both paths.
+// Intel Xeon with AMX). Here they run from C++ in the Python decoder's order — the products through the same
+// kernels, the residual sums as ATen operations, the rotation as one loop rounding as PyTorch's element-wise
+// operations do, the RMS norm (rms_norm) and the MLP activation (silu_product) compiled on both paths — so the
+// results are the Python decoder's bit for bit (tests/test_quantized.py). The rotation and activation loops replaced
+// ~10 ATen calls a layer (BENCHMARKS.md, "Eighteenth session").
 
 #include <torch/extension.h>
 
@@ -24,6 +26,7 @@ torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, co
 
 namespace {
 
+using hierspec_int4::exp_vector;
 using hierspec_int4::kLanes;
 using hierspec_int4::lane_sum;
 using hierspec_int4::load;
@@ -55,7 +58,83 @@ torch::Tensor project(const torch::Tensor& rows, const std::vector<std::vector<t
   return product;
 }
 
+// The rotated queries and keys and the values, each contiguous [1, heads, rows, dim], of the q/k/v product
+// [rows, (heads + 2 kv_heads) dim]: x cos + roll(x, dim / 2) signed_sin per element, the two products and their sum
+// each rounded (as PyTorch's element-wise operations compute it, and the Python decoder with them).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+std::vector<torch::Tensor> rotate_heads(const torch::Tensor& product, const torch::Tensor& cos,
+                                        const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim) {
+  const int64_t rows = product.size(0), width = (heads + 2 * kv_heads) * dim, half = dim / 2;
+  TORCH_CHECK(product.is_contiguous() && product.size(1) == width && dim % 2 == 0, "q/k/v product: [rows, width]");
+  const auto c = cos.reshape({rows, dim}).contiguous(), s = signed_sin.reshape({rows, dim}).contiguous();
+  auto query = torch::empty({1, heads, rows, dim}, product.options());
+  auto key = torch::empty({1, kv_heads, rows, dim}, product.options());
+  auto value = torch::empty({1, kv_heads, rows, dim}, product.options());
+  const float* x = product.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* cr = c.data_ptr<float>() + r * dim;
+    const float* sr = s.data_ptr<float>() + r * dim;
+    for (int64_t h = 0; h < heads + 2 * kv_heads; ++h) {
+      const float* in = x + r * width + h * dim;
+      float* out = h < heads ? query.data_ptr<float>() + (h * rows + r) * dim
+                   : h < heads + kv_heads ? key.data_ptr<float>() + ((h - heads) * rows + r) * dim
+                                          : value.data_ptr<float>() + ((h - heads - kv_heads) * rows + r) * dim;
+      if (h >= heads + kv_heads) {
+        std::memcpy(out, in, dim * sizeof(float));
+        continue;
+      }
+      for (int64_t d = 0; d < half; ++d) {
+        const float a = in[d] * cr[d], b = in[d + half] * sr[d];
+        out[d] = a + b;
+      }
+      for (int64_t d = half; d < dim; ++d) {
+        const float a = in[d] * cr[d], b = in[d - half] * sr[d];
+        out[d] = a + b;
+      }
+    }
+  }
+  return {query, key, value};
+}
+#pragma GCC pop_options
+
+// silu(gate) * up of one element per lane: silu(g) = g sigmoid(g) with
+// e = exp(-|g|), sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below; each element by itself, so a row's result
+// does not depend on the rows beside it.
+inline vf silu_times(vf g, vf u) {
+  const vf e = exp_vector(g < vf{} ? g : -g);
+  const vf sigmoid = (g < vf{} ? e : vf{} + 1.f) / (e + 1.f);
+  return g * sigmoid * u;
+}
+
 }  // namespace
+
+// silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product)
+torch::Tensor silu_product(const torch::Tensor& gate, const torch::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == torch::kFloat32 &&
+                  up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 && up.stride(1) == 1,
+              "gate, up: float32 [rows, width] with contiguous rows");
+  const int64_t rows = gate.size(0), width = gate.size(1);
+  auto act = torch::empty({rows, width}, gate.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate.data_ptr<float>() + r * gate.stride(0);
+    const float* u = up.data_ptr<float>() + r * up.stride(0);
+    float* out = act.data_ptr<float>() + r * width;
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes) {
+      const vf v = silu_times(load(g + i), load(u + i));
+      std::memcpy(out + i, &v, sizeof v);
+    }
+    if (i < width) {  // the tail through one zero-padded vector: the same operations per element
+      vf gt{}, ut{};
+      std::memcpy(&gt, g + i, (width - i) * sizeof(float));
+      std::memcpy(&ut, u + i, (width - i) * sizeof(float));
+      const vf v = silu_times(gt, ut);
+      std::memcpy(out + i, &v, (width - i) * sizeof(float));
+    }
+  }
+  return act;
+}
 
 // weight * hidden / sqrt(mean(hidden^2) + eps) per row of a contiguous float32 [rows, width]: the sum of squares in
 // vector lanes, in an order fixed by the width alone (a row's result does not depend on the rows beside it).
@@ -89,11 +168,8 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const t
                                             int64_t dim) {
   const int64_t rows = hidden.size(0);
   const auto product = project(rms_norm(hidden, norm_weight, eps), qkv, bias);
-  const auto states = product.view({1, rows, heads + 2 * kv_heads, dim}).transpose(1, 2);
-  const auto rotating = states.narrow(1, 0, heads + kv_heads);
-  const auto rotated = (rotating * cos) + (rotating.roll(dim / 2, -1) * signed_sin);
-  return {rotated.narrow(1, 0, heads), rotated.narrow(1, heads, kv_heads),
-          states.narrow(1, heads + kv_heads, kv_heads)};
+  TORCH_CHECK(product.size(0) == rows, "q/k/v product rows");
+  return rotate_heads(product.contiguous(), cos, signed_sin, heads, kv_heads, dim);
 }
 
 // The attention's output projection and residual, then the MLP block and its residual (the decoder's _mlp).
@@ -104,6 +180,6 @@ torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attend
   const c10::optional<torch::Tensor> none;
   const auto residual = hidden + project(attended, out, none);
   const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
-  const auto act = at::silu(both.narrow(1, 0, intermediate)) * both.narrow(1, intermediate, intermediate);
+  const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate));
   return residual + project(act, down, none);
 }

@@ -257,6 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
+  m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
   m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
   m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");

@@ -15,6 +15,7 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const t
                                             const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
                                             const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
                                             int64_t dim);
+torch::Tensor silu_product(const torch::Tensor& gate, const torch::Tensor& up);
 torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
                         double eps, const std::vector<std::vector<torch::Tensor>>& out,
                         const std::vector<std::vector<torch::Tensor>>& gate_up,
