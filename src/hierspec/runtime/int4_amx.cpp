@@ -81,7 +81,7 @@ inline __m512i as_words(__m512bh v) {
 struct FourBit {
   static constexpr int64_t kCodeBytes = 256;
   static constexpr int64_t kScaleBytes = 64;  // a step's scales (and biases)
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
   static const float* scale_of(const Operands& o, int64_t block, int64_t step) {
     return o.scale + (block * o.groups + step) * kBlock;
@@ -95,8 +95,9 @@ struct FourBit {
     const float* scale = scale_of(o, block, step);
     const float* bias = bias_of(o, block, step);
     for (int j = 0; j < 8; ++j) {
-      const __m512 even = _mm512_fmadd_ps(codes, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
-      const __m512 odd = _mm512_fmadd_ps(codes, _mm512_set1_ps(scale[2 * j + 1]), _mm512_set1_ps(bias[2 * j + 1]));
+      const __m512 even = _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
+      const __m512 odd =
+          _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j + 1]), _mm512_set1_ps(bias[2 * j + 1]));
       const __m512i table = as_words(_mm512_cvtne2ps_pbh(odd, even));  // entries 0..15 even, 16..31 odd
       const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)));
       const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
