@@ -1,5 +1,6 @@
 // Vector types and helpers of the int4 extension's sources: the CPU's width, 16 float lanes with AVX-512, else 8
-// (gcc lowers wider vector types badly without it). Every loop written with them runs in an order fixed by its length alone.
+// (gcc lowers wider vector types badly without it). Every loop written with them runs in an order fixed by its
+// length alone.
 #pragma once
 
 #include <cstdint>
