@@ -61,10 +61,11 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=64)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"])
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args()
 
-    model = hierspec.load_model(args.model, ModelConfig(dtype=args.dtype))
+    model = hierspec.load_model(args.model, ModelConfig(dtype=args.dtype, kv_cache=args.kv_cache))
     context = DrafterContext(model)
     questions = select_questions(load_questions(args.questions), args.per_category, args.limit)
     prompts = [model.encode_prompt(q.turns[0], raw=q.raw) for q in questions]
@@ -92,7 +93,8 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "batch.json").write_text(json.dumps(report, indent=1))
     base = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
-    lines = [f"CPU: {cpu}; model {model.name}, runtime {model.runtime.kind}; {len(prompts)} dev questions, "
+    lines = [f"CPU: {cpu}; model {model.name}, runtime {model.runtime.kind}, KV cache "
+             f"{model.runtime.describe()['kv_cache']}; {len(prompts)} dev questions, "
              f"{args.max_new_tokens} new tokens, greedy", "",
              "| method | concurrent | tokens/s | x one request | latency p50 s | p95 s | TTFT p50 s | MAT | "
              "identical to alone / to ar |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]

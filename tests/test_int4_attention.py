@@ -45,8 +45,9 @@ def _attend(module, query, key, value, keys, values, write_blocks, write_slots, 
     return module.exact_attention(query, key, value, keys, values, write_blocks, write_slots, *_tensors(plan), scale)
 
 
-# SmolLM2's heads; Qwen2.5-1.5B's; a head size with a tail past whole vectors (16 or 8 lanes); one query per key
-SHAPES = [(HEADS, KV_HEADS, DIM), (12, 2, 128), (4, 2, 72), (3, 3, 40)]
+# SmolLM2's heads; Qwen2.5-1.5B's; a head size with a tail past whole vectors (16 or 8 lanes); one query per key;
+# seven queries per key (query heads are taken in blocks of up to four)
+SHAPES = [(HEADS, KV_HEADS, DIM), (12, 2, 128), (4, 2, 72), (3, 3, 40), (14, 2, 64)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -84,6 +85,28 @@ def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_w
                           node_v[:, :, node : node + 1], keys, values, torch.zeros(1, dtype=torch.long),
                           torch.tensor([past + len(path) - 1]), alone, scale=scale)
             assert torch.equal(row[0], tree[node]), f"past {past}, node {node} of {nodes}"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_a_float16_cache_is_attended_as_its_entries_widened_and_its_rows_written_rounded(module, shape):
+    """A float16 buffer gives the float32 call's bits on the same entries widened (widening is exact), and the rows'
+    keys and values go in rounded to nearest, as PyTorch rounds them."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(dim)
+    past, rows, mask = random_sequence_mask(gen, 300)
+    query = torch.randn(1, heads, rows, dim, generator=gen)
+    key, value = (torch.randn(1, kv_heads, rows, dim, generator=gen) for _ in range(2))
+    half_k, half_v = (torch.randn(kv_heads, 300, dim, generator=gen).half() for _ in range(2))
+    wide_k, wide_v = half_k.float(), half_v.float()
+    blocks, positions = torch.zeros(rows, dtype=torch.long), torch.arange(past, past + rows)
+    got = _attend(module, query, key, value, half_k, half_v, blocks, positions, mask, scale=dim ** -0.5)
+    assert torch.equal(half_k[:, past : past + rows], key[0].half())
+    assert torch.equal(half_v[:, past : past + rows], value[0].half())
+    expected = _attend(module, query, key.half().float(), value.half().float(), wide_k, wide_v, blocks, positions,
+                       mask, scale=dim ** -0.5)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="both alike"):
+        _attend(module, query, key, value, half_k, wide_v, blocks, positions, mask)
 
 
 def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone(module, threads):

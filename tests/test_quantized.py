@@ -252,7 +252,7 @@ def _tree_logits(*targets) -> list[torch.Tensor]:
 @pytest.mark.parametrize(("int4_kernel", "tolerance"), [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05)])
 def test_the_int4_forward_computes_the_files_model(tmp_path, float32_prefill, int4_kernel, tolerance):
     model, path = _tiny(tmp_path)
-    expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path, int4_kernel))
+    expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path, int4_kernel, kv_cache="model"))
     # PyTorch's kernel rounds activations and scales to bfloat16: close; the AMX one rounds activations only: closer;
     # the compiled one keeps float32: equal up to the order of its sums
     error = (expected - got).abs().mean() / expected.abs().mean()
@@ -260,11 +260,43 @@ def test_the_int4_forward_computes_the_files_model(tmp_path, float32_prefill, in
     assert torch.equal(expected.argmax(-1), got.argmax(-1))
 
 
+def test_a_float16_cache_holds_the_float32_entries_rounded_and_changes_logits_little(tmp_path, float32_prefill):
+    """The int4 path's default cache stores keys and values in float16 (compiled layers only): the first layer's
+    entries are the float32 ones rounded to nearest, bit for bit (later layers' inputs saw rounded entries), and the
+    logits stay within float16's rounding of float32 ones."""
+    model, path = _tiny(tmp_path)
+    half = _int4_target(model, path, "compiled")
+    if half.runtime.layer_calls != "compiled-exact":
+        pytest.skip("the compiled layers do not attend here")
+    assert half.runtime.kv_dtype == torch.float16 and half.runtime.describe()["kv_cache"] == "float16"
+    layers = _prompt_cache_layers(half, _float32_copy(model))
+    first, theirs = layers[0]
+    assert first.keys.dtype == torch.float16
+    assert torch.equal(first.keys, theirs.keys.to(torch.float16))
+    assert torch.equal(first.values, theirs.values.to(torch.float16))
+    for ours, theirs in layers[1:]:
+        for mine, exact in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            assert 0 < (mine.float() - exact).norm() < 1e-2 * exact.norm()
+    wide = _int4_target(model, path, "compiled", kv_cache="model")
+    assert wide.runtime.kv_dtype is None
+    expected, got = _tree_logits(wide, half)
+    error = (expected - got).abs().mean() / expected.abs().mean()
+    assert 0 < error < 2e-3, error
+    assert torch.equal(expected.argmax(-1), got.argmax(-1))
+
+
+def test_a_float16_cache_is_refused_where_the_compiled_layers_do_not_attend(tmp_path):
+    model, path = _tiny(tmp_path)
+    with pytest.raises(InputError, match="float16 KV cache"):
+        _int4_target(model, path, "compiled", kv_cache="float16", attention="sdpa")
+    assert _int4_target(model, path, "compiled", attention="sdpa").runtime.kv_dtype is None
+
+
 def test_the_int4_runtime_reads_prompts_through_the_files_float32_weights(tmp_path, float32_prefill):
     """The prompt's keys and values are the float32 expansion's (no second copy of the weights), bit for bit."""
     model, path = _tiny(tmp_path)
     reference = _float32_copy(model)
-    target = _int4_target(model, path)
+    target = _int4_target(model, path, kv_cache="model")
     assert target.runtime.prefill_decoder.lm_head.weights[0].data_ptr() == model.lm_head.weight.data_ptr()
     for ours, theirs in _prompt_cache_layers(target, reference):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
@@ -287,7 +319,7 @@ def test_on_a_native_bfloat16_cpu_prompts_are_read_with_bfloat16_products_of_the
     prompt's keys and values stay close to the float32 expansion's."""
     model, path = _tiny(tmp_path)
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: True)
-    target = _int4_target(model, path)
+    target = _int4_target(model, path, kv_cache="model")
     prefill = target.runtime.prefill_decoder
     qkv = prefill.layers[0].qkv
     assert qkv.product_dtype == torch.bfloat16 and qkv.weight.dtype == torch.bfloat16

@@ -121,7 +121,8 @@ def machine_identity(target: TargetModel) -> dict:
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
-            "layers": target.runtime.layer_calls, **_int4_kernels(target)}
+            "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.kv_dtype or target.dtype).replace(
+                "torch.", ""), **_int4_kernels(target)}
 
 
 def _int4_kernels(target: TargetModel) -> dict:
@@ -142,6 +143,8 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
         f"|int8-{eight}" if eight in ("compiled", "amx") else "")
     # whole compiled layers with their exact attention cost less per row than the halves: their curves are their own
     layers = "|compiled-exact" if ident.get("layers") == "compiled-exact" else ""
+    # a float16 cache reads half the bytes per attended entry: its curves are their own
+    layers += "|kv-float16" if ident.get("kv_cache") == "float16" and ident.get("dtype") != "float16" else ""
     # and every build of the compiled kernels (another source, another speed) measures its own
     build = f"|{ident['kernel_build']}" if (kernel or layers) and ident.get("kernel_build") else ""
     setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}{build}"

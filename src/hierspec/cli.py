@@ -38,6 +38,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for ~1.4x the time of one; bfloat16 "
                             "rows) or auto (the default: the fastest here for each weight form, timed once per "
                             "machine and kept)")
+    group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
+                       help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
+                            "default), model (the model's dtype) or auto (the default: float16 where the int4 "
+                            "path's compiled layers attend, else the model's dtype); lossless either way")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -205,7 +209,7 @@ def _model_config(args: argparse.Namespace):
 
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                        runtime=args.runtime, attention=args.attention,
-                       int4_kernel=args.int4_kernel)
+                       int4_kernel=args.int4_kernel, kv_cache=args.kv_cache)
 
 
 def _load(args: argparse.Namespace):

@@ -127,6 +127,10 @@ class ModelConfig:
             ``"compiled"`` (hierspec's own, built for this CPU; float32 rows), ``"torch"`` (PyTorch's weight-only
             int4 kernel; bfloat16 rows) or ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
             bfloat16 rows, float32 scales; 16 rows for ~1.4x the time of one).
+        kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
+            layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
+            model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
+            not attend). Every method reads the same stored entries, so each stays lossless against plain decoding.
     """
 
     spec: str | None = None
@@ -138,8 +142,11 @@ class ModelConfig:
     runtime: str = "auto"
     attention: str = "auto"
     int4_kernel: str = "auto"
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache not in {"auto", "model", "float16"}:
+            raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use auto, model or float16")
         if self.int4_kernel not in {"auto", "compiled", "torch", "amx"}:
             raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch or amx")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:

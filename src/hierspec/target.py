@@ -261,7 +261,8 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     chosen explicitly (``--dtype float32`` expands them) or another runtime was named."""
     gguf = gguf_source(config) if config.dtype == "auto" else None
     if gguf is None:
-        return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel)
+        return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel,
+                             kv_cache=config.kv_cache)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
-                         attention=config.attention, int4_kernel=config.int4_kernel)
+                         attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache)

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
 ATTENTIONS = ("auto", "sdpa", "exact")
+KV_CACHE_CHOICES = ("auto", "model", "float16")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
@@ -83,6 +84,8 @@ class RuntimeConfig:
             every tree row bit-identical to plain decoding; needs hierspec's own decoder, an error otherwise).
         int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"`` or ``"amx"``
             (:func:`~hierspec.runtime.quantized.resolve_kernel`).
+        kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
+            path), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
     """
 
     kind: str = "auto"
@@ -92,8 +95,11 @@ class RuntimeConfig:
     gguf_cache: str | None = None
     attention: str = "auto"
     int4_kernel: str = "auto"
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache not in KV_CACHE_CHOICES:
+            raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use {', '.join(KV_CACHE_CHOICES)}")
         if self.kind not in RUNTIME_KINDS:
             raise InputError(f"unknown runtime {self.kind!r}: use {', '.join(RUNTIME_KINDS)}")
         if self.buckets is not None and (any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(
@@ -159,6 +165,7 @@ class Runtime:
         self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
         self.inputs = TreeInputs(self.device, groups=heads // self.kv_heads, align=self.align)
         self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
+        self.kv_dtype = self._cache_dtype()
         self._static_cache: StaticTreeCache | None = None
         self._batch_inputs: list[TreeInputs] = []  # one per sequence of a batched forward, allocated once
 
@@ -190,6 +197,17 @@ class Runtime:
             self.int4_kernel, reason = resolve_kernel(self.config.int4_kernel)
         return reason
 
+    def _cache_dtype(self) -> torch.dtype | None:
+        """The KV cache's storage dtype: float16 where the compiled layers attend exactly (``auto``) or where it was
+        asked for; ``None``: the model's dtype."""
+        if self.config.kv_cache == "model":
+            return None
+        compiled = self.exact and self.layer_calls == "compiled-exact"
+        if self.config.kv_cache == "float16" and not compiled:
+            raise InputError("a float16 KV cache needs the int4 path's compiled layers with exact attention (a GGUF "
+                             "file, --attention exact, the compiled extension built)")
+        return torch.float16 if compiled else None
+
     def _packing_reason(self) -> str | None:
         """Why linears run unpacked (``--runtime eager``, not the CPU, a dtype oneDNN does not pack), or ``None``."""
         if self.config.kind == "eager":
@@ -211,6 +229,7 @@ class Runtime:
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
+                "kv_cache": str(self.kv_dtype or self.dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
 
     @property
@@ -247,7 +266,7 @@ class Runtime:
     def eager_cache(self, capacity: int | None = None) -> TreeCache:
         """A growing cache for eager forwards of any batch (batched generation), whatever the runtime's kind."""
         capacity = -(-(capacity or DEFAULT_CAPACITY) // self.align) * self.align  # aligned views never regrow
-        return TreeCache(self.num_layers, capacity)
+        return TreeCache(self.num_layers, capacity, self.kv_dtype)
 
     def slot_caches(self, slots: int, capacity: int | None = None) -> list[TreeCache]:
         """``slots`` caches for sequences verified together by :meth:`forward_trees`: with the owned decoder, slots of
@@ -256,7 +275,7 @@ class Runtime:
         capacity = -(-max(capacity or 0, MIN_SLOT_CAPACITY) // self.align) * self.align
         if not self.batches:
             return [self.eager_cache(capacity) for _ in range(slots)]
-        return list(SlotPool(self.num_layers, slots, capacity).caches)
+        return list(SlotPool(self.num_layers, slots, capacity, self.kv_dtype).caches)
 
     @torch.inference_mode()
     def prefill(self, cache, ids: Sequence[int], want_hidden: bool = False) -> torch.Tensor | None:

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_TYPES = ("llama", "qwen2", "mistral")
 #: rotary types whose factors depend on the position alone (others rescale with the sequence length)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+#: KV-cache dtypes the compiled layers attend exactly (float16: entries rounded once, when written)
+COMPILED_CACHE_DTYPES = (torch.float32, torch.float16)
 #: positions the rotary table starts with; it doubles on demand up to the model's context
 TABLE_START = 4096
 
@@ -221,21 +223,25 @@ class LlamaFamilyDecoder:
         over the pool's layer viewed as ``[slots * kv_heads, capacity, d]`` (each row's blocks from its slot's).
         ``None`` for caches elsewhere or of a dtype the kernel does not read directly (attended per sequence)."""
         pool = self._shared_pool(segments)
-        if pool is None or pool.keys[0].dtype not in NATIVE_DTYPES:
+        if pool is None or pool.keys[0].dtype not in NATIVE_DTYPES + self._compiled_cache_dtypes():
             return None
         writes = plan_slot_writes([s.cache for s in segments], [(s.start, s.stop) for s in segments])
         return writes, ExactPlan.concatenate(plans, writes.slot_index.numpy() * self.kv_heads)
 
+    def _compiled_cache_dtypes(self) -> tuple[torch.dtype, ...]:
+        """Cache dtypes beyond :data:`NATIVE_DTYPES` that this decoder attends exactly (the compiled layers')."""
+        return COMPILED_CACHE_DTYPES if self._fused is not None and self._fused.attends else ()
+
     def _compiled_exact(self, segments: Sequence[Segment], plans: Sequence[ExactPlan],
                         pooled: tuple[SlotWrites, ExactPlan] | None, rows: int) -> CompiledExact | None:
-        """Where the compiled layers attend exactly over float32 caches (one sequence's, or a pool's slots): their
+        """Where the compiled layers attend exactly over float32 or float16 caches (one sequence's, or a pool's slots): their
         buffers and where this forward's rows go. ``None`` elsewhere (several sequences in separate caches; other
         dtypes), which the Python layers serve."""
         if not self._fused.attends:
             return None
         if pooled is not None:
             writes, plan = pooled
-            if writes.pool.keys[0].dtype != torch.float32:
+            if writes.pool.keys[0].dtype not in COMPILED_CACHE_DTYPES:
                 return None
             buffers = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in zip(writes.pool.keys, writes.pool.values)]
             return CompiledExact(buffers, writes.slot_index * self.kv_heads, writes.position_index, plan)
@@ -243,7 +249,7 @@ class LlamaFamilyDecoder:
         if len(segments) != 1 or not hasattr(cache, "reserve"):
             return None
         first = cache.layers[0]  # a cache's layers are allocated together, with one dtype and batch
-        if first.is_initialized and (first.dtype != torch.float32 or first.keys.shape[0] != 1):
+        if first.is_initialized and (first.dtype not in COMPILED_CACHE_DTYPES or first.keys.shape[0] != 1):
             return None
         like = self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim))
         start, buffers = cache.reserve(rows, like)
@@ -269,6 +275,8 @@ class LlamaFamilyDecoder:
         for number, s in enumerate(segments):
             keys, values = s.cache.layers[index].update(key if whole else key[:, :, s.start : s.stop],
                                                         value if whole else value[:, :, s.start : s.stop])
+            if keys.dtype != query.dtype:  # a float16 cache: its stored (rounded) entries, widened
+                keys, values = keys.to(query.dtype), values.to(query.dtype)
             own_query = query if whole else query[:, :, s.start : s.stop]
             if plans is not None:
                 parts.append(exact_attention(own_query, keys, values, plans[number], self.scaling))

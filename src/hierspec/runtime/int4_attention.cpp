@@ -1,4 +1,4 @@
-// Exact tree attention on float32 caches, and an int4 layer around it, each one call from Python (see
+// Exact tree attention on float32 or float16 caches, and an int4 layer around it, each one call from Python (see
 // exact_attention.py for what "exact" means and int4_kernel.py for the build).
 //
 // exact_attention.py's numba kernel costs ~17 us for a one-row SmolLM2 layer, but its Python call (query copy, cache
@@ -9,6 +9,9 @@
 // and order the same alone, in a chain or anywhere in a tree), so a row's result is bit-identical whatever the other
 // rows and whichever thread runs it. The results are not the numba kernel's bits (other reduction orders): the int4
 // decoder uses this kernel on every forward where the extension loads, so its methods and its plain decoding agree.
+// A float16 cache (the int4 path's default) halves what each attended entry costs to read: with 8 sequences of ~500
+// entries a step reads more cache than weights. Entries are rounded once, when written, and every reader widens
+// the same stored values.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -29,6 +32,9 @@ using hierspec_int4::load;
 using hierspec_int4::exp_vector;
 using hierspec_int4::vi;
 using hierspec_int4::vf;
+using hierspec_int4::narrow_half;
+using hierspec_int4::store_half;
+using hierspec_int4::widen;
 
 // below this many (row, key, head) triples a call runs on one thread: waking the pool costs more than it saves
 constexpr int64_t kParallelWork = 4096;
@@ -81,12 +87,14 @@ inline vf lane_sums(const vf* p) {
 #endif
 }
 
-// Everything a call's tasks read, as raw pointers and strides (float32, element units)
+// Everything a call's tasks read, as raw pointers and strides (element units): float32 queries and outputs, cache
+// entries of T (float, or uint16_t for float16: each widened to float32 exactly as it is read)
+template <typename T>
 struct Operands {
   const float* query;  // row r, query head j: query + r * query_row + j * query_head
   int64_t query_row, query_head;
-  const float* keys;  // block b, slot s: keys + (b * slots + s) * dim
-  const float* values;
+  const T* keys;  // block b, slot s: keys + (b * slots + s) * dim
+  const T* values;
   int64_t slots;
   const int64_t* indptr;
   const int64_t* indices;
@@ -98,48 +106,79 @@ struct Operands {
 
 // Scratch of one thread: the scores, then weights, of one row's keys per query head (rows of width + kLanes: the
 // last key block writes whole vectors), their sums, and the task's key, value, query and output addresses
+template <typename T>
 struct Scratch {
   std::vector<float> scores, totals;
-  std::vector<const float*> keys, values, queries;
+  std::vector<const T*> keys, values;
+  std::vector<const float*> queries;
   std::vector<float*> outs;
-  explicit Scratch(const Operands& o)
+  explicit Scratch(const Operands<T>& o)
       : scores(o.groups * (o.width + kLanes)), totals(o.groups), queries(o.groups), outs(o.groups) {}
 };
 
-// One query head's lane partials of kLanes keys (key t: keys[min(j0 + t, count - 1)]) and their sums into `scores`:
-// each key's vectors multiplied lane-wise with the query's over the whole vectors in dim order, then lane_sums. C is
-// the count of whole vectors of dim when it is known at compile time (0: read it from `chunks`).
-template <int C>
-inline void score_block(const float* q, const float* const* keys, int64_t j0, int64_t count, int64_t chunks,
-                        float* scores) {
+// Query heads of one key/value head taken together over each key (value) they read, so that it is loaded (and
+// widened) once for all of them: as many as the vector registers hold beside their accumulators
+constexpr int kGroupBlock = kLanes == 16 ? 4 : 2;
+
+// G query heads' lane partials of kLanes keys (key t: keys[min(j0 + t, count - 1)]) and their sums into `scores`
+// (head g's at scores + g * stride): each key's vectors multiplied lane-wise with each query's over the whole vectors
+// in dim order, then lane_sums. C is the count of whole vectors of dim when it is known at compile time (0: read it
+// from `chunks`). A head's operations are the same whichever heads are beside it.
+template <int G, int C, typename T>
+inline void score_block(const float* const* q, const T* const* keys, int64_t j0, int64_t count, int64_t chunks,
+                        float* scores, int64_t stride) {
   const int64_t n = C > 0 ? C : chunks;
-  vf part[kLanes];
+  vf part[G][kLanes];
   for (int64_t t = 0; t < kLanes; ++t) {
-    const float* key = keys[std::min(j0 + t, count - 1)];
-    vf sum{};
-    for (int64_t c = 0; c < n; ++c) sum = load(q + c * kLanes) * load(key + c * kLanes) + sum;
-    part[t] = sum;
+    const T* key = keys[std::min(j0 + t, count - 1)];
+    vf sum[G] = {};
+    for (int64_t c = 0; c < n; ++c) {
+      const vf k = load(key + c * kLanes);
+      for (int g = 0; g < G; ++g) sum[g] = load(q[g] + c * kLanes) * k + sum[g];
+    }
+    for (int g = 0; g < G; ++g) part[g][t] = sum[g];
   }
-  const vf sums = lane_sums(part);
-  std::memcpy(scores + j0, &sums, sizeof sums);
+  for (int g = 0; g < G; ++g) {
+    const vf sums = lane_sums(part[g]);
+    std::memcpy(scores + g * stride + j0, &sums, sizeof sums);
+  }
+}
+
+// score_block over every key block for G query heads
+template <int G, typename T>
+void score_heads(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* scores,
+                 int64_t stride) {
+  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+    if (chunks == 64 / kLanes) score_block<G, 64 / kLanes>(q, keys, j0, count, chunks, scores, stride);
+    else if (chunks == 128 / kLanes) score_block<G, 128 / kLanes>(q, keys, j0, count, chunks, scores, stride);
+    else score_block<G, 0>(q, keys, j0, count, chunks, scores, stride);
+  }
 }
 
 // scores[g][j] = q_g · key j for the keys at `keys[j]`, kLanes keys at a time (a last partial block repeats its last
 // key and its extra sums are never read), then the tail of dim in order: every key takes the same operations
 // wherever it falls.
-void score_keys(const Operands& o, const float* const* q, const float* const* keys, int64_t count, Scratch& s) {
+template <typename T>
+void score_keys(const Operands<T>& o, const float* const* q, const T* const* keys, int64_t count, Scratch<T>& s) {
   const int64_t dim = o.dim, chunks = dim / kLanes, whole = chunks * kLanes, stride = o.width + kLanes;
+  for (int64_t g0 = 0; g0 < o.groups; g0 += kGroupBlock) {
+    float* scores = s.scores.data() + g0 * stride;
+    switch (std::min<int64_t>(kGroupBlock, o.groups - g0)) {
+      case 1: score_heads<1>(q + g0, keys, count, chunks, scores, stride); break;
+      case 2: score_heads<2>(q + g0, keys, count, chunks, scores, stride); break;
+#if defined(__AVX512F__)
+      case 3: score_heads<3>(q + g0, keys, count, chunks, scores, stride); break;
+      case 4: score_heads<4>(q + g0, keys, count, chunks, scores, stride); break;
+#endif
+    }
+  }
   for (int64_t g = 0; g < o.groups; ++g) {
     float* scores = s.scores.data() + g * stride;
-    for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
-      if (chunks == 64 / kLanes) score_block<64 / kLanes>(q[g], keys, j0, count, chunks, scores);
-      else if (chunks == 128 / kLanes) score_block<128 / kLanes>(q[g], keys, j0, count, chunks, scores);
-      else score_block<0>(q[g], keys, j0, count, chunks, scores);
-    }
     for (int64_t j = 0; whole < dim && j < padded(count); ++j) {
-      const float* key = keys[std::min(j, count - 1)];
+      const T* key = keys[std::min(j, count - 1)];
       float total = scores[j];
-      for (int64_t i = whole; i < dim; ++i) total = q[g][i] * key[i] + total;
+      // std::fma: one rounding each, whichever the entry type (gcc contracted only the float32 form)
+      for (int64_t i = whole; i < dim; ++i) total = std::fma(q[g][i], widen(key[i]), total);
       scores[j] = total;
     }
   }
@@ -171,8 +210,8 @@ float softmax_weights(float* line, float scale, int64_t count) {
 
 // out_g = sum_j w[g][j] * value j, for GB query heads and CB vectors of dim from `offset`: each element a chain of
 // multiply-adds over the keys in order, the chains of GB x CB accumulators side by side.
-template <int GB, int CB>
-void weigh_panel(const float* weights, int64_t stride, const float* const* values, int64_t count, int64_t offset,
+template <int GB, int CB, typename T>
+void weigh_panel(const float* weights, int64_t stride, const T* const* values, int64_t count, int64_t offset,
                  float* const* out) {
   vf acc[GB][CB];
   for (int g = 0; g < GB; ++g)
@@ -189,34 +228,42 @@ void weigh_panel(const float* weights, int64_t stride, const float* const* value
     for (int c = 0; c < CB; ++c) std::memcpy(out[g] + offset + c * kLanes, &acc[g][c], sizeof(vf));
 }
 
-// The weighted values of every query head into out[g] (unnormalised): panels of two query heads by four vectors,
-// then what remains of either; the tail of dim element by element (the same chain, scalar).
-void weigh_values(const Operands& o, const float* weights, const float* const* values, int64_t count,
+// The weighted values of every query head into out[g] (unnormalised): panels of up to kGroupBlock query heads by
+// four vectors, then what remains of dim's vectors; the tail of dim element by element (the same chain, scalar).
+template <int GB, typename T>
+void weigh_heads(const float* w, int64_t stride, const T* const* values, int64_t count, int64_t whole,
+                 float* const* out) {
+  int64_t offset = 0;
+  for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes) weigh_panel<GB, 4>(w, stride, values, count, offset, out);
+  for (; offset < whole; offset += kLanes) weigh_panel<GB, 1>(w, stride, values, count, offset, out);
+}
+
+template <typename T>
+void weigh_values(const Operands<T>& o, const float* weights, const T* const* values, int64_t count,
                   float* const* out) {
   const int64_t dim = o.dim, whole = dim - dim % kLanes, stride = o.width + kLanes;
-  for (int64_t g = 0; g < o.groups; g += 2) {
-    const bool pair = g + 1 < o.groups;
+  for (int64_t g = 0; g < o.groups; g += kGroupBlock) {
     const float* w = weights + g * stride;
-    int64_t offset = 0;
-    for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes) {
-      if (pair) weigh_panel<2, 4>(w, stride, values, count, offset, out + g);
-      else weigh_panel<1, 4>(w, stride, values, count, offset, out + g);
-    }
-    for (; offset < whole; offset += kLanes) {
-      if (pair) weigh_panel<2, 1>(w, stride, values, count, offset, out + g);
-      else weigh_panel<1, 1>(w, stride, values, count, offset, out + g);
+    switch (std::min<int64_t>(kGroupBlock, o.groups - g)) {
+      case 1: weigh_heads<1>(w, stride, values, count, whole, out + g); break;
+      case 2: weigh_heads<2>(w, stride, values, count, whole, out + g); break;
+#if defined(__AVX512F__)
+      case 3: weigh_heads<3>(w, stride, values, count, whole, out + g); break;
+      case 4: weigh_heads<4>(w, stride, values, count, whole, out + g); break;
+#endif
     }
   }
   for (int64_t g = 0; g < o.groups; ++g)
     for (int64_t i = whole; i < dim; ++i) {
       float total = 0.f;
-      for (int64_t j = 0; j < count; ++j) total = weights[g * stride + j] * values[j][i] + total;
+      for (int64_t j = 0; j < count; ++j) total = std::fma(weights[g * stride + j], widen(values[j][i]), total);
       out[g][i] = total;
     }
 }
 
 // Row `row`, key/value head `head`: softmax(scale * q · k) · v over the row's slots, for its `groups` query heads
-void attend_task(const Operands& o, int64_t row, int64_t head, Scratch& s) {
+template <typename T>
+void attend_task(const Operands<T>& o, int64_t row, int64_t head, Scratch<T>& s) {
   const int64_t start = o.indptr[row], count = o.indptr[row + 1] - start, dim = o.dim, stride = o.width + kLanes;
   const int64_t* slots = o.indices + start;
   const int64_t block = (o.blocks[row] + head) * o.slots;
@@ -265,31 +312,67 @@ void check_plan(const torch::Tensor& indptr, const torch::Tensor& indices, const
   TORCH_CHECK(indices.size(0) == 0 || (*low >= 0 && *high < slots), "an attended slot outside the cache buffer");
 }
 
+// one row's dim floats into a cache entry of T (float16: rounded to nearest even)
+inline void write_entry(float* to, const float* from, int64_t dim) { std::memcpy(to, from, dim * sizeof(float)); }
+
+inline void write_entry(uint16_t* to, const float* from, int64_t dim) {
+  int64_t i = 0;
+  for (; i + kLanes <= dim; i += kLanes) store_half(to + i, load(from + i));
+  for (; i < dim; ++i) to[i] = narrow_half(from[i]);
+}
+
 // rows_in [1, kv_heads, rows, dim] into buffer block write_blocks[r] + h, slot write_slots[r]
-void write_rows(const torch::Tensor& rows_in, float* buffer, const int64_t* write_blocks, const int64_t* write_slots,
+template <typename T>
+void write_rows(const torch::Tensor& rows_in, T* buffer, const int64_t* write_blocks, const int64_t* write_slots,
                 int64_t slots) {
   const auto states = rows_in.stride(3) == 1 ? rows_in : rows_in.contiguous();
   const int64_t heads = states.size(1), rows = states.size(2), dim = states.size(3);
   const float* source = states.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < heads; ++h)
-      std::memcpy(buffer + ((write_blocks[r] + h) * slots + write_slots[r]) * dim,
-                  source + h * states.stride(1) + r * states.stride(2), dim * sizeof(float));
+      write_entry(buffer + ((write_blocks[r] + h) * slots + write_slots[r]) * dim,
+                  source + h * states.stride(1) + r * states.stride(2), dim);
+}
+
+// The rows' keys and values written, then every (row, kv head) task attended, over cache buffers of T
+template <typename T>
+void attend_rows(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, T* keys, T* values,
+                 int64_t buffer_slots, const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
+                 const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
+                 int64_t kv_heads, double scale, torch::Tensor& out) {
+  write_rows(key, keys, write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(), buffer_slots);
+  write_rows(value, values, write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(), buffer_slots);
+  const int64_t rows = q.size(2), heads = q.size(1), dim = q.size(3);
+  const int64_t* ptr = indptr.data_ptr<int64_t>();
+  int64_t width = 0;
+  for (int64_t r = 0; r < rows; ++r) width = std::max(width, ptr[r + 1] - ptr[r]);
+  const Operands<T> o{q.data_ptr<float>(), q.stride(2), q.stride(1), keys, values, buffer_slots, ptr,
+                      indices.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), kv_heads, heads / kv_heads, dim,
+                      width, static_cast<float>(scale), out.data_ptr<float>()};
+  const int64_t tasks = rows * kv_heads;
+  const int64_t grain = indices.size(0) * heads < kParallelWork ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch(o);
+    for (int64_t task = begin; task < end; ++task) attend_task(o, task / kv_heads, task % kv_heads, scratch);
+  });
 }
 
 }  // namespace
 
 // query [1, heads, rows, dim] (rows and heads at any strides, dim contiguous); key, value [1, kv_heads, rows, dim],
-// written first into keys/values [blocks, slots, dim] (contiguous float32 buffers: one sequence's cache layer viewed
-// as [kv_heads, capacity, dim], or a pool's [sequences * kv_heads, capacity, dim]) at block write_blocks[r] + h and
-// slot write_slots[r]; then row r's query head j = h * groups + g attends block blocks[r] + h at the slots
+// written first into keys/values [blocks, slots, dim] (contiguous float32 or float16 buffers: one sequence's cache
+// layer viewed as [kv_heads, capacity, dim], or a pool's [sequences * kv_heads, capacity, dim]) at block
+// write_blocks[r] + h and slot write_slots[r] (rounded to float16 there); then row r's query head j = h * groups + g attends block blocks[r] + h at the slots
 // indices[indptr[r] : indptr[r + 1]] (ascending) -> float32 [rows, heads * dim].
 torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                               const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
                               const torch::Tensor& write_slots, const torch::Tensor& indptr,
                               const torch::Tensor& indices, const torch::Tensor& blocks, double scale) {
-  for (const auto* t : {&query, &key, &value, &keys, &values})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "exact_attention reads float32 tensors");
+  for (const auto* t : {&query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "exact_attention reads float32 queries, keys and values");
+  const bool half = keys.scalar_type() == torch::kHalf;
+  TORCH_CHECK((half || keys.scalar_type() == torch::kFloat32) && values.scalar_type() == keys.scalar_type(),
+              "exact_attention's cache buffers: float32 or float16, both alike");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
               "query, key, value: [1, heads, rows, dim]");
   TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous(),
@@ -299,23 +382,14 @@ torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& k
                   keys.size(2) == dim, "query, key and value shapes do not agree with the buffers");
   check_plan(indptr, indices, blocks, write_blocks, write_slots, rows, keys.size(0), keys.size(1), kv_heads);
   const auto q = query.stride(3) == 1 ? query : query.contiguous();
-  write_rows(key, keys.data_ptr<float>(), write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(),
-             keys.size(1));
-  write_rows(value, values.data_ptr<float>(), write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(),
-             keys.size(1));
   auto out = torch::empty({rows, heads * dim}, query.options());
-  const int64_t* ptr = indptr.data_ptr<int64_t>();
-  int64_t width = 0;
-  for (int64_t r = 0; r < rows; ++r) width = std::max(width, ptr[r + 1] - ptr[r]);
-  const Operands o{q.data_ptr<float>(), q.stride(2), q.stride(1), keys.data_ptr<float>(), values.data_ptr<float>(),
-                   keys.size(1), ptr, indices.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), kv_heads,
-                   heads / kv_heads, dim, width, static_cast<float>(scale), out.data_ptr<float>()};
-  const int64_t tasks = rows * kv_heads;
-  const int64_t grain = indices.size(0) * heads < kParallelWork ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    Scratch scratch(o);
-    for (int64_t task = begin; task < end; ++task) attend_task(o, task / kv_heads, task % kv_heads, scratch);
-  });
+  if (half)
+    attend_rows(q, key, value, reinterpret_cast<uint16_t*>(keys.data_ptr<at::Half>()),
+                reinterpret_cast<uint16_t*>(values.data_ptr<at::Half>()), keys.size(1), write_blocks, write_slots,
+                indptr, indices, blocks, kv_heads, scale, out);
+  else
+    attend_rows(q, key, value, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(1), write_blocks,
+                write_slots, indptr, indices, blocks, kv_heads, scale, out);
   return out;
 }
 

@@ -3,6 +3,9 @@
 // length alone.
 #pragma once
 
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -21,6 +24,51 @@ inline vf load(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+// Half-precision (IEEE float16) entries of a KV cache: widened to float32 exactly, narrowed rounding to nearest
+// even as PyTorch's conversion rounds (F16C's instructions where the CPU has them, c10's bit arithmetic otherwise)
+#if defined(__F16C__)
+inline vf load(const uint16_t* p) {
+#ifdef __AVX512F__
+  const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#endif
+  vf v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline void store_half(uint16_t* p, vf v) {
+#ifdef __AVX512F__
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof v);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(wide, _MM_FROUND_TO_NEAREST_INT));
+#else
+  __m256 wide;
+  std::memcpy(&wide, &v, sizeof v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(wide, _MM_FROUND_TO_NEAREST_INT));
+#endif
+}
+
+inline float widen(uint16_t x) { return _cvtsh_ss(x); }
+inline uint16_t narrow_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+#else
+inline float widen(uint16_t x) { return c10::detail::fp16_ieee_to_fp32_value(x); }
+inline uint16_t narrow_half(float x) { return c10::detail::fp16_ieee_from_fp32_value(x); }
+
+inline vf load(const uint16_t* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = widen(p[i]);
+  return v;
+}
+
+inline void store_half(uint16_t* p, vf v) {
+  for (int i = 0; i < kLanes; ++i) p[i] = narrow_half(v[i]);
+}
+#endif
+
+inline float widen(float x) { return x; }
 
 inline float lane_sum(vf v) {
   float s = 0.f;

@@ -35,9 +35,10 @@ class GrowableLayer(CacheLayerMixin):
     is_croppable = True
     is_compileable = False
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, storage_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.capacity = max(1, int(capacity))
+        self.storage_dtype = storage_dtype
         self.length = 0
         self.align = 1
         self._keys: torch.Tensor | None = None
@@ -45,14 +46,15 @@ class GrowableLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
-        self._keys = key_states.new_zeros((batch, heads, self.capacity, key_states.shape[-1]))
-        self._values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]))
-        self.dtype, self.device = key_states.dtype, key_states.device
+        dtype = self.storage_dtype or key_states.dtype
+        self._keys = key_states.new_zeros((batch, heads, self.capacity, key_states.shape[-1]), dtype=dtype)
+        self._values = value_states.new_zeros((batch, heads, self.capacity, value_states.shape[-1]), dtype=dtype)
+        self.dtype, self.device = dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``[batch, kv_heads, n, head_dim]`` entries; return views of every entry held (and, when aligned,
-        of the slots up to the next multiple of the alignment)."""
+        of the slots up to the next multiple of the alignment), in the storage dtype."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -164,10 +166,12 @@ def _derived_only(value: object) -> None:
 
 
 class TreeCache(Cache):
-    """A KV cache of :class:`GrowableLayer` layers, one per decoder layer."""
+    """A KV cache of :class:`GrowableLayer` layers, one per decoder layer; entries stored in ``storage_dtype``
+    (``None``: the dtype of the first entries written)."""
 
-    def __init__(self, num_layers: int, capacity: int = DEFAULT_CAPACITY) -> None:
-        super().__init__(layers=[GrowableLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int = DEFAULT_CAPACITY,
+                 storage_dtype: torch.dtype | None = None) -> None:
+        super().__init__(layers=[GrowableLayer(capacity, storage_dtype) for _ in range(num_layers)])
 
     @contextlib.contextmanager
     def aligned(self, align: int) -> Iterator[None]:

@@ -30,7 +30,7 @@ class SlotLayer(GrowableLayer):
     """One layer of one slot: a :class:`GrowableLayer` whose buffers are views of the pool's."""
 
     def __init__(self, pool: SlotPool, index: int, slot: int) -> None:
-        super().__init__(pool.capacity)
+        super().__init__(pool.capacity, pool.storage_dtype)
         self.pool, self.index, self.slot = pool, index, slot
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -65,10 +65,12 @@ class SlotCache(TreeCache):
 
 class SlotPool:
     """Keys and values of ``slots`` sequences, one buffer per layer; buffers appear at the first write (with that
-    write's dtype, device and shape) and double in length, for every slot at once, when one slot needs more room."""
+    write's device and shape, and ``storage_dtype`` or else that write's dtype) and double in length, for every slot
+    at once, when one slot needs more room."""
 
-    def __init__(self, num_layers: int, slots: int, capacity: int) -> None:
+    def __init__(self, num_layers: int, slots: int, capacity: int, storage_dtype: torch.dtype | None = None) -> None:
         self.num_layers, self.slots, self.capacity = num_layers, slots, capacity
+        self.storage_dtype = storage_dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.caches = [SlotCache(self, slot) for slot in range(slots)]
@@ -77,8 +79,9 @@ class SlotPool:
         """Zeroed buffers shaped after ``like`` (``[1, kv_heads, n, head_dim]``): slots past a sequence's entries
         stay finite, as aligned attention needs."""
         shape = (self.slots, like.shape[1], self.capacity, like.shape[-1])
-        self.keys = [like.new_zeros(shape) for _ in range(self.num_layers)]
-        self.values = [like.new_zeros(shape) for _ in range(self.num_layers)]
+        dtype = self.storage_dtype or like.dtype
+        self.keys = [like.new_zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
+        self.values = [like.new_zeros(shape, dtype=dtype) for _ in range(self.num_layers)]
         self._bind()
 
     def grow(self, needed: int) -> None:
