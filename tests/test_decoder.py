@@ -118,3 +118,25 @@ def test_rotary_table_grows_with_the_positions_asked_for():
     assert owned.runtime.decoder._cos.shape[0] == 512
     for a, b in zip(got[1::2], expected[1::2]):
         assert torch.equal(a, b)
+
+
+def test_a_prompt_on_an_empty_cache_is_attended_causally_as_the_masked_forward_attends_it():
+    """Prefill on an empty cache runs SDPA's causal path (no mask); its cache entries and last hidden state equal
+    the masked path's (float64: the same sums up to their order), and a prompt prefilled in two parts (the second
+    part masked, past the first) gives the same cache."""
+    target = TargetModel(make_model("llama", vocab_size=VOCAB, seed=3, dtype=torch.float64), make_tokenizer(VOCAB),
+                         "owned", RuntimeConfig())
+    decoder = target.runtime.decoder
+    prompt = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 2, 2, 7, 18, 28]])
+    rows = prompt.shape[-1]
+    positions = torch.arange(rows)[None]
+    causal, masked, halves = (target.new_cache() for _ in range(3))
+    _, fast = decoder.forward(prompt, positions, None, causal, slice(rows - 1, rows), want_hidden=True)
+    mask = (torch.arange(rows)[None, :] <= torch.arange(rows)[:, None])[None, None]
+    _, slow = decoder.forward(prompt, positions, mask, masked, slice(rows - 1, rows), want_hidden=True)
+    torch.testing.assert_close(fast, slow, rtol=1e-12, atol=1e-12)
+    target.prefill(halves, prompt[0, :5].tolist())
+    target.prefill(halves, prompt[0, 5:].tolist())
+    for a, b, c in zip(causal.layers, masked.layers, halves.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a.values, c.values, rtol=1e-12, atol=1e-12)

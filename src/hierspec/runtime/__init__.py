@@ -360,11 +360,13 @@ class Runtime:
         unaligned, as transformers' own prefill attends them."""
         past, count = cache.get_seq_length(), input_ids.shape[-1]
         positions = torch.arange(past, past + count, device=self.device)
-        mask = torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
+        # on an empty cache the prompt is attended causally without a mask (the decoder's one-call causal path)
+        mask = None if past == 0 else (torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
+                                       )[None, None]
         decoder = self.prefill_decoder or self.decoder
         with cache.aligned(1):
-            _, hidden = decoder.forward(input_ids, positions[None], mask[None, None], cache,
-                                        slice(count - 1, count), want_hidden, want_logits=False)
+            _, hidden = decoder.forward(input_ids, positions[None], mask, cache, slice(count - 1, count), want_hidden,
+                                        want_logits=False)
         return hidden[-1] if want_hidden else None
 
     @contextlib.contextmanager

@@ -83,11 +83,12 @@ class Projection:
 @dataclass(frozen=True)
 class Segment:
     """One sequence's rows ``start .. stop - 1`` in a batched forward, with its attention mask (the runtime's boolean
-    ``[1, 1, rows or groups * rows, width]``) and its own KV cache."""
+    ``[1, 1, rows or groups * rows, width]``, or ``None`` for a prompt on an empty cache: causal) and its own KV
+    cache."""
 
     start: int
     stop: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     cache: object
 
 
@@ -122,6 +123,8 @@ class LlamaFamilyDecoder:
         self.eps = float(inner.norm.variance_epsilon)
         self.embedding = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
+        # a prompt's attention runs in the products' dtype (bfloat16 halves its time where the CPU computes it)
+        self._prompt_dtype = product_dtype or self.embedding.dtype
         names = {module: name for name, module in model.named_modules()}
 
         def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
@@ -151,14 +154,16 @@ class LlamaFamilyDecoder:
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
         self._activation = self._fused.activation if self._fused is not None else _silu_product
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits ``[kept, vocab]`` of the rows ``keep`` selects (``None`` without ``want_logits``) and their last
         hidden states, after the final norm (with ``want_hidden``): a tree's real nodes, or a prompt's last row.
 
         ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
-        width]``; every layer's keys and values go into ``cache`` through its layer's ``update``. ``exact``: attention
+        width]``, or ``None`` when the rows are a prompt on an empty cache (causal attention, one call per layer that
+        skips the masked half); every layer's keys and values go into ``cache`` through its layer's ``update``.
+        ``exact`` (not with ``mask`` ``None``): attention
         by :func:`~hierspec.runtime.exact_attention.exact_attention` (a row's result independent of the tree's
         layout).
         """
@@ -184,7 +189,8 @@ class LlamaFamilyDecoder:
             slots, plans = pooled
         # the additive form SDPA makes of a boolean mask, made once per forward instead of once per layer
         segments = [] if slots is not None else segments if exact else [
-            Segment(s.start, s.stop, additive_mask(s.mask, self.embedding.dtype), s.cache) for s in segments]
+            Segment(s.start, s.stop, None if s.mask is None else additive_mask(s.mask, self.embedding.dtype), s.cache)
+            for s in segments]
         hidden = F.embedding(ids.reshape(-1), self.embedding)
         compiled = self._compiled_exact(segments, plans, pooled, rows) if exact and self._fused is not None else None
         if compiled is not None:
@@ -278,13 +284,24 @@ class LlamaFamilyDecoder:
             if keys.dtype != query.dtype:  # a float16 cache: its stored (rounded) entries, widened
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
             own_query = query if whole else query[:, :, s.start : s.stop]
-            if plans is not None:
+            if s.mask is None:
+                parts.append(self._prompt_attention(own_query, keys, values))
+            elif plans is not None:
                 parts.append(exact_attention(own_query, keys, values, plans[number], self.scaling))
             else:
                 attended, _ = tree_attention(None, own_query, keys, values, s.mask, scaling=self.scaling)
                 parts.append(attended.reshape(s.stop - s.start, self.heads * self.head_dim))
         attended = parts[0] if whole else torch.cat(parts, dim=0)
         return self._mlp(layer, hidden, attended)
+
+    def _prompt_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a prompt's rows ``[1, heads, rows, d]`` over their own keys and values ``[1, kv_heads,
+        rows, d]`` (an empty cache before them) → ``[rows, heads * d]``: SDPA's causal flash kernel skips the masked
+        key blocks and reads the grouped heads in place."""
+        rows, dtype = query.shape[2], self._prompt_dtype
+        out = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), is_causal=True,
+                                             scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
+        return out.to(query.dtype).transpose(1, 2).reshape(rows, self.heads * self.head_dim)
 
     def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The attention's output projection and residual, then the MLP block and its residual."""
