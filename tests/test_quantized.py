@@ -286,6 +286,11 @@ def test_a_float16_cache_holds_the_float32_entries_rounded_and_changes_logits_li
 
 
 def test_a_float16_cache_is_refused_where_the_compiled_layers_do_not_attend(tmp_path):
+    from hierspec.config import ModelConfig
+
+    for make in (RuntimeConfig, ModelConfig):
+        with pytest.raises(InputError, match="unknown KV cache dtype"):
+            make(kv_cache="bfloat16")
     model, path = _tiny(tmp_path)
     with pytest.raises(InputError, match="float16 KV cache"):
         _int4_target(model, path, "compiled", kv_cache="float16", attention="sdpa")
