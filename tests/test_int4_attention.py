@@ -107,6 +107,9 @@ def test_a_float16_cache_is_attended_as_its_entries_widened_and_its_rows_written
     assert torch.equal(got, expected)
     with pytest.raises(RuntimeError, match="both alike"):
         _attend(module, query, key, value, half_k, wide_v, blocks, positions, mask)
+    key[0, 0, 0, 0] = 7e4  # beyond float16: refused, not stored as infinity
+    with pytest.raises(RuntimeError, match="beyond float16's range"):
+        _attend(module, query, key, value, half_k, half_v, blocks, positions, mask, scale=dim ** -0.5)
 
 
 def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone(module, threads):

@@ -77,3 +77,16 @@ def test_the_compiled_path_move_equals_the_per_layer_one(monkeypatch):
     for bad in ([1, 0], [0, 0], [0, 9]):
         with pytest.raises(RuntimeError):
             module.keep_entries([buffer], 0, torch.tensor(bad))
+
+
+def test_a_float16_cache_stores_entries_rounded_and_refuses_ones_beyond_its_range():
+    from hierspec.errors import InputError
+    from hierspec.runtime.kv_cache import TreeCache
+
+    cache = TreeCache(1, 8, storage_dtype=torch.float16)
+    keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    held_keys, held_values = cache.layers[0].update(keys, values)
+    assert held_keys.dtype == torch.float16 and torch.equal(held_keys, keys.half())
+    assert torch.equal(held_values, values.half())
+    with pytest.raises(InputError, match="--kv-cache model"):
+        cache.layers[0].update(keys * 1e5, values)

@@ -312,13 +312,28 @@ void check_plan(const torch::Tensor& indptr, const torch::Tensor& indices, const
   TORCH_CHECK(indices.size(0) == 0 || (*low >= 0 && *high < slots), "an attended slot outside the cache buffer");
 }
 
-// one row's dim floats into a cache entry of T (float16: rounded to nearest even)
-inline void write_entry(float* to, const float* from, int64_t dim) { std::memcpy(to, from, dim * sizeof(float)); }
+// float16's largest finite value: a key or value beyond it would be stored as infinity
+constexpr float kHalfMax = 65504.f;
 
-inline void write_entry(uint16_t* to, const float* from, int64_t dim) {
+// one row's dim floats into a cache entry of T (float16: rounded to nearest even); false if one is beyond float16
+inline bool write_entry(float* to, const float* from, int64_t dim) {
+  std::memcpy(to, from, dim * sizeof(float));
+  return true;
+}
+
+inline bool write_entry(uint16_t* to, const float* from, int64_t dim) {
+  bool fits = true;
   int64_t i = 0;
-  for (; i + kLanes <= dim; i += kLanes) store_half(to + i, load(from + i));
-  for (; i < dim; ++i) to[i] = narrow_half(from[i]);
+  for (; i + kLanes <= dim; i += kLanes) {
+    const vf v = load(from + i);
+    for (int lane = 0; lane < kLanes; ++lane) fits = fits && std::fabs(v[lane]) <= kHalfMax;
+    store_half(to + i, v);
+  }
+  for (; i < dim; ++i) {
+    fits = fits && std::fabs(from[i]) <= kHalfMax;
+    to[i] = narrow_half(from[i]);
+  }
+  return fits;
 }
 
 // rows_in [1, kv_heads, rows, dim] into buffer block write_blocks[r] + h, slot write_slots[r]
@@ -328,10 +343,13 @@ void write_rows(const torch::Tensor& rows_in, T* buffer, const int64_t* write_bl
   const auto states = rows_in.stride(3) == 1 ? rows_in : rows_in.contiguous();
   const int64_t heads = states.size(1), rows = states.size(2), dim = states.size(3);
   const float* source = states.data_ptr<float>();
+  bool fits = true;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < heads; ++h)
-      write_entry(buffer + ((write_blocks[r] + h) * slots + write_slots[r]) * dim,
-                  source + h * states.stride(1) + r * states.stride(2), dim);
+      fits = write_entry(buffer + ((write_blocks[r] + h) * slots + write_slots[r]) * dim,
+                         source + h * states.stride(1) + r * states.stride(2), dim) && fits;
+  TORCH_CHECK(fits, "a key or value beyond float16's range (|x| > 65504) for the float16 KV cache: load the model "
+                    "with --kv-cache model");
 }
 
 // The rows' keys and values written, then every (row, kv head) task attended, over cache buffers of T

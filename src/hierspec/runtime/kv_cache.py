@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hierspec.errors import InputError
 from hierspec.runtime.int4_kernel import loaded_kernel
 
 #: slots a layer's buffer starts with when no size is given
@@ -63,6 +64,8 @@ class GrowableLayer(CacheLayerMixin):
             self._grow(visible)
         self._keys[:, :, self.length : end].copy_(key_states)
         self._values[:, :, self.length : end].copy_(value_states)
+        if self.storage_dtype is not None and self.storage_dtype != key_states.dtype:
+            _check_stored(self._keys[:, :, self.length : end], self._values[:, :, self.length : end])
         self.length = end
         return self._keys[:, :, :visible], self._values[:, :, :visible]
 
@@ -143,6 +146,13 @@ class GrowableLayer(CacheLayerMixin):
     @values.setter
     def values(self, value: None) -> None:
         _derived_only(value)
+
+
+def _check_stored(*entries: torch.Tensor) -> None:
+    """Entries narrowed to the storage dtype stayed finite (a float16 cache holds |x| <= 65504)."""
+    if not all(bool(torch.isfinite(e).all()) for e in entries):
+        raise InputError(f"a key or value beyond {entries[0].dtype}'s range for the KV cache: load the model with "
+                         "--kv-cache model")
 
 
 def doubled_capacity(capacity: int, needed: int) -> int:
