@@ -93,10 +93,10 @@ def test_a_float16_cache_is_attended_as_its_entries_widened_and_its_rows_written
     keys and values go in rounded to nearest, as PyTorch rounds them."""
     heads, kv_heads, dim = shape
     gen = torch.Generator().manual_seed(dim)
-    past, rows, mask = random_sequence_mask(gen, 300)
+    past, rows, mask = random_sequence_mask(gen, 700)  # up to 599 cached and 5 new
     query = torch.randn(1, heads, rows, dim, generator=gen)
     key, value = (torch.randn(1, kv_heads, rows, dim, generator=gen) for _ in range(2))
-    half_k, half_v = (torch.randn(kv_heads, 300, dim, generator=gen).half() for _ in range(2))
+    half_k, half_v = (torch.randn(kv_heads, 700, dim, generator=gen).half() for _ in range(2))
     wide_k, wide_v = half_k.float(), half_v.float()
     blocks, positions = torch.zeros(rows, dtype=torch.long), torch.arange(past, past + rows)
     got = _attend(module, query, key, value, half_k, half_v, blocks, positions, mask, scale=dim ** -0.5)
