@@ -155,8 +155,8 @@ def test_plans_that_read_or_write_outside_the_buffers_are_refused(module):
                                zero, SCALE)
 
 
-def test_the_int4_decoder_runs_each_layer_as_one_compiled_call_close_to_the_python_layers(module, tmp_path,
-                                                                                          monkeypatch):
+def test_the_int4_decoder_runs_its_layers_as_one_compiled_call_close_to_the_python_layers(module, tmp_path,
+                                                                                        monkeypatch):
     # float32 products: the AMX ones round their inputs to bfloat16, where a last-bit difference in attention may
     # move a tiny random model's logits by ~1e-3 of their scale
     target = _int4_target(*_tiny(tmp_path), "compiled", attention="exact")
@@ -165,13 +165,13 @@ def test_the_int4_decoder_runs_each_layer_as_one_compiled_call_close_to_the_pyth
         pytest.skip("the compiled layer halves are not used here")
     assert decoder._fused.attends
     calls = []
-    original = Int4Layers.exact_layer
+    original = Int4Layers.exact_layers
 
     def counted(self, *args, **kwargs):
-        calls.append(1)
+        calls.append(args)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Int4Layers, "exact_layer", counted)
+    monkeypatch.setattr(Int4Layers, "exact_layers", counted)
     prompt, chain = [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3]
 
     tree = build_tree(chain[0], [chain[1:], [4, 4], [9, 1, 2]])
@@ -184,12 +184,47 @@ def test_the_int4_decoder_runs_each_layer_as_one_compiled_call_close_to_the_pyth
         return logits
 
     compiled = forward()
-    assert len(calls) == len(decoder.layers)
+    assert len(calls) == 1 and len(decoder._fused.layer_stack()) == len(decoder.layers)
     decoder._fused.attends = False
     python = forward()
-    assert len(calls) == len(decoder.layers)
+    assert len(calls) == 1
     torch.testing.assert_close(compiled, python, rtol=1e-4, atol=1e-4)  # measured 2e-5
     assert torch.equal(compiled.argmax(-1), python.argmax(-1))
+
+
+def test_the_layer_stack_equals_one_compiled_call_per_layer(module, tmp_path):
+    """``ExactLayerStack.forward`` is ``exact_layer`` through every layer in order, bit for bit, buffers included."""
+    target = _int4_target(*_tiny(tmp_path), "compiled", attention="exact")
+    decoder = target.runtime.decoder
+    if decoder._fused is None or not decoder._fused.attends:
+        pytest.skip("the compiled layers do not attend here")
+    gen = torch.Generator().manual_seed(5)
+    rows, past = 3, 20
+    hidden = torch.randn(rows, decoder.embedding.shape[1], generator=gen)
+    cos, sin = decoder._rotation(torch.arange(past, past + rows))
+    mask = torch.zeros(rows, 64, dtype=torch.bool)
+    mask[:, : past + 1] = True
+    mask[1:, past + 1] = mask[2, past + 2] = True
+    plan = ExactPlan(mask)
+    indptr, indices, blocks = _tensors(plan)
+    buffers = [[torch.randn(decoder.kv_heads, 64, decoder.head_dim, generator=gen) for _ in range(2)]
+               for _ in decoder.layers]
+    copies = [[b.clone() for b in pair] for pair in buffers]
+    write_blocks, write_slots = torch.zeros(rows, dtype=torch.long), torch.arange(past, past + rows)
+    stacked = decoder._fused.layer_stack().forward(hidden, cos, sin, [k for k, _ in buffers], [v for _, v in buffers],
+                                                   write_blocks, write_slots, indptr, indices, blocks)
+    one_by_one = hidden
+    for layer, (keys, values) in zip(decoder.layers, copies):
+        one_by_one = module.exact_layer(one_by_one, layer.norm1, decoder.eps, layer.qkv.native, layer.qkv.bias, cos,
+                                        sin, decoder.heads, decoder.kv_heads, decoder.head_dim, keys, values,
+                                        write_blocks, write_slots, indptr, indices, blocks, decoder.scaling,
+                                        layer.norm2, layer.out.native, layer.gate_up.native, layer.down.native,
+                                        layer.gate_up.widths[0])
+    assert torch.equal(stacked, one_by_one)
+    assert all(torch.equal(a, b) for pair, copy in zip(buffers, copies) for a, b in zip(pair, copy))
+    with pytest.raises(RuntimeError, match="one key and value buffer per layer"):
+        decoder._fused.layer_stack().forward(hidden, cos, sin, [], [], write_blocks, write_slots, indptr, indices,
+                                             blocks)
 
 
 def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_path):

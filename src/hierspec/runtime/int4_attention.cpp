@@ -411,6 +411,32 @@ torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& k
   return out;
 }
 
+ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim)
+    : eps_(eps), scale_(scale), heads_(heads), kv_heads_(kv_heads), dim_(dim) {}
+
+void ExactLayerStack::add(const torch::Tensor& norm1, const std::vector<std::vector<torch::Tensor>>& qkv,
+                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& norm2,
+                          const std::vector<std::vector<torch::Tensor>>& out,
+                          const std::vector<std::vector<torch::Tensor>>& gate_up,
+                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
+  layers_.push_back(Layer{norm1, qkv, bias, norm2, out, gate_up, down, intermediate});
+}
+
+torch::Tensor ExactLayerStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                                       const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
+                                       const torch::Tensor& indptr, const torch::Tensor& indices,
+                                       const torch::Tensor& blocks) const {
+  TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "one key and value buffer per layer");
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& l = layers_[i];
+    hidden = exact_layer(hidden, l.norm1, eps_, l.qkv, l.bias, cos, signed_sin, heads_, kv_heads_, dim_, keys[i],
+                         values[i], write_blocks, write_slots, indptr, indices, blocks, scale_, l.norm2, l.out,
+                         l.gate_up, l.down, l.intermediate);
+  }
+  return hidden;
+}
+
 // One int4 layer with exact attention: attention_inputs, exact_attention over the cache buffers, mlp_block.
 torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
                           const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,

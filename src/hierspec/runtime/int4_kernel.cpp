@@ -261,6 +261,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
   m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
   m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
+  pybind11::class_<ExactLayerStack>(m, "ExactLayerStack")
+      .def(pybind11::init<double, double, int64_t, int64_t, int64_t>())
+      .def("add", &ExactLayerStack::add, "append the next layer's weights")
+      .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
+      .def("__len__", &ExactLayerStack::size);
   m.def("row_topk", &row_topk, "each float32 row's k largest entries' indices, largest first");
   m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
 }

@@ -37,6 +37,37 @@ torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm
                           const std::vector<std::vector<torch::Tensor>>& gate_up,
                           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
+// Every layer of an int4 decoder with exact attention, its weights held here once: a forward's layers are one call
+// from Python instead of one each (a call converts ~20 arguments, nested lists of tensors among them)
+class ExactLayerStack {
+ public:
+  ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim);
+  // the next layer's weights, as exact_layer takes them
+  void add(const torch::Tensor& norm1, const std::vector<std::vector<torch::Tensor>>& qkv,
+           const c10::optional<torch::Tensor>& bias, const torch::Tensor& norm2,
+           const std::vector<std::vector<torch::Tensor>>& out, const std::vector<std::vector<torch::Tensor>>& gate_up,
+           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+  // exact_layer through every layer in order, layer i over keys[i] and values[i]
+  torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
+                        const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                        const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
+                        const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks) const;
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    torch::Tensor norm1;
+    std::vector<std::vector<torch::Tensor>> qkv;
+    c10::optional<torch::Tensor> bias;
+    torch::Tensor norm2;
+    std::vector<std::vector<torch::Tensor>> out, gate_up, down;
+    int64_t intermediate;
+  };
+  double eps_, scale_;
+  int64_t heads_, kv_heads_, dim_;
+  std::vector<Layer> layers_;
+};
+
 // row_topk.cpp
 torch::Tensor row_topk(const torch::Tensor& logits, int64_t k);
 
