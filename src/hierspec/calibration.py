@@ -121,8 +121,8 @@ def machine_identity(target: TargetModel) -> dict:
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
-            "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.kv_dtype or target.dtype).replace(
-                "torch.", ""), **_int4_kernels(target)}
+            "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.cache_dtype).replace("torch.", ""),
+            **_int4_kernels(target)}
 
 
 def _int4_kernels(target: TargetModel) -> dict:

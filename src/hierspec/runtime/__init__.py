@@ -229,8 +229,13 @@ class Runtime:
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
-                "kv_cache": str(self.kv_dtype or self.dtype).removeprefix("torch."),
+                "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype the KV cache stores entries in (:attr:`kv_dtype`, or the model's)."""
+        return self.kv_dtype or self.dtype
 
     @property
     def layer_calls(self) -> str:

@@ -239,9 +239,9 @@ class LlamaFamilyDecoder:
 
     def _compiled_exact(self, segments: Sequence[Segment], plans: Sequence[ExactPlan],
                         pooled: tuple[SlotWrites, ExactPlan] | None, rows: int) -> CompiledExact | None:
-        """Where the compiled layers attend exactly over float32 or float16 caches (one sequence's, or a pool's slots): their
-        buffers and where this forward's rows go. ``None`` elsewhere (several sequences in separate caches; other
-        dtypes), which the Python layers serve."""
+        """Where the compiled layers attend exactly over float32 or float16 caches (one sequence's, or a pool's
+        slots): their buffers and where this forward's rows go. ``None`` elsewhere (several sequences in separate
+        caches; other dtypes), which the Python layers serve."""
         if not self._fused.attends:
             return None
         if pooled is not None:
@@ -280,12 +280,13 @@ class LlamaFamilyDecoder:
         for number, s in enumerate(segments):
             keys, values = s.cache.layers[index].update(key if whole else key[:, :, s.start : s.stop],
                                                         value if whole else value[:, :, s.start : s.stop])
+            own_query = query if whole else query[:, :, s.start : s.stop]
+            if s.mask is None:  # converts the entries to its own dtype
+                parts.append(self._prompt_attention(own_query, keys, values))
+                continue
             if keys.dtype != query.dtype:  # a float16 cache: its stored (rounded) entries, widened
                 keys, values = keys.to(query.dtype), values.to(query.dtype)
-            own_query = query if whole else query[:, :, s.start : s.stop]
-            if s.mask is None:
-                parts.append(self._prompt_attention(own_query, keys, values))
-            elif plans is not None:
+            if plans is not None:
                 parts.append(exact_attention(own_query, keys, values, plans[number], self.scaling))
             else:
                 attended, _ = tree_attention(None, own_query, keys, values, s.mask, scaling=self.scaling)
@@ -406,7 +407,8 @@ class Int4Layers:
                      compiled: CompiledExact) -> torch.Tensor:
         """Every layer in one call (``ExactLayerStack``, ``int4_attention.cpp``): per layer :meth:`attention_inputs`,
         the rows' keys and values written into that layer's buffers, exact attention over them, :meth:`mlp`. One call
-        instead of one per layer: each converted its ~20 arguments (SmolLM2: ~0.3 ms of a ~7 ms one-token step)."""
+        instead of one per layer, each converting its ~20 arguments: a one-token SmolLM2 forward ~1 ms faster
+        (BENCHMARKS.md, "Nineteenth session")."""
         keys, values = zip(*compiled.buffers)
         return self.layer_stack().forward(hidden, cos, sin, list(keys), list(values), compiled.write_blocks,
                                           compiled.write_slots, compiled.indptr, compiled.indices, compiled.blocks)

@@ -380,8 +380,9 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& key, const torch::
 // query [1, heads, rows, dim] (rows and heads at any strides, dim contiguous); key, value [1, kv_heads, rows, dim],
 // written first into keys/values [blocks, slots, dim] (contiguous float32 or float16 buffers: one sequence's cache
 // layer viewed as [kv_heads, capacity, dim], or a pool's [sequences * kv_heads, capacity, dim]) at block
-// write_blocks[r] + h and slot write_slots[r] (rounded to float16 there); then row r's query head j = h * groups + g attends block blocks[r] + h at the slots
-// indices[indptr[r] : indptr[r + 1]] (ascending) -> float32 [rows, heads * dim].
+// write_blocks[r] + h and slot write_slots[r] (rounded to float16 there); then row r's query head j = h * groups + g
+// attends block blocks[r] + h at the slots indices[indptr[r] : indptr[r + 1]] (ascending) -> float32
+// [rows, heads * dim].
 torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                               const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
                               const torch::Tensor& write_slots, const torch::Tensor& indptr,
