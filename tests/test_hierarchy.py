@@ -5,12 +5,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hierspec.accept import accept_greedy
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
-from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, frequent_rows
+from hierspec.drafters.hierarchy import (HierarchyConfig, HierarchyDrafter, frequent_rows,
+                                         frequent_rows_with_shares)
 from hierspec.errors import InputError
 from hierspec.methods import make_drafter
 from hierspec.tree import build_tree
@@ -128,6 +131,29 @@ def test_frequent_rows_ranks_and_trims_padding():
     assert [r.tolist() for r in frequent_rows(rows, 5, 1)] == [[1, 2], [3], [5, 5]]
     assert [r.tolist() for r in frequent_rows(rows, 5, 2)] == [[1, 2], [3]]
     assert frequent_rows(rows, 0, 1) == []
+
+
+def _frequent_rows_by_unique(rows, limit, min_count):
+    """The ranking as np.unique over the rows gave it (count descending, then the rows in order)."""
+    unique, counts = np.unique(rows, axis=0, return_counts=True)
+    out = []
+    for i in np.lexsort((np.arange(unique.shape[0]), -counts)):
+        if counts[i] < min_count or len(out) == limit:
+            break
+        row = unique[i][: int(np.argmax(unique[i] < 0))] if (unique[i] < 0).any() else unique[i]
+        if row.shape[0]:
+            out.append((row.tolist(), float(counts[i]) / rows.shape[0]))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(-1, 3), min_size=3, max_size=3), min_size=1, max_size=40),
+       limit=st.integers(1, 8), min_count=st.integers(1, 3))
+def test_frequent_rows_rank_as_np_unique_did(rows, limit, min_count):
+    rows = np.array(rows, dtype=np.int64)
+    found = frequent_rows_with_shares(rows, limit, min_count)
+    assert [(row.tolist(), share) for row, share in found] == _frequent_rows_by_unique(rows, limit, min_count)
+    assert all(row.dtype == np.int64 for row, _ in found)
 
 
 @pytest.mark.parametrize("option", ["order=cx", "order=cc", "n=0", "s_min_share=2", "l=0"])

@@ -38,6 +38,7 @@ from hierspec.datastore.suffix_search import (
     first_bad_token,
     gather_continuations,
     sa_range,
+    sa_range_within,
     suffix_array_fault,
 )
 from hierspec.errors import InputError
@@ -179,6 +180,9 @@ class SuffixStore:
         self.shards = shards
         self.vocab_size = vocab_size
         self.separator = separator
+        # per shard: a token -> the rows of the suffixes it starts, filled as tokens are searched (a search then
+        # starts inside its first token's rows: fewer random reads of the memory-mapped arrays)
+        self._first_rows: list[dict[int, tuple[int, int]]] = [{} for _ in shards]
 
     @classmethod
     def open(cls, directory: str | Path, fingerprint: str | None = None, tokenizer_name: str = "") -> SuffixStore:
@@ -231,14 +235,41 @@ class SuffixStore:
         return int(self.header["num_tokens"])
 
     def longest_match(self, context: np.ndarray, n_max: int, n_min: int) -> Match | None:
-        """The longest suffix of ``context`` (from ``n_max`` tokens down to ``n_min``) found in the store."""
+        """The longest suffix of ``context`` (from ``n_max`` tokens down to ``n_min``) found in the store.
+
+        Every suffix of a suffix that occurs occurs too, so the length is bisected: about log2(n_max - n_min) + 1
+        searches instead of one per length (a search is ~50 random reads of the memory-mapped arrays, which a
+        decoding step's weights have evicted from the caches)."""
         context = as_pattern(context[-n_max:])
-        for n in range(min(n_max, context.shape[0]), n_min - 1, -1):
-            pattern = context[-n:]
-            ranges = tuple(sa_range(tokens, sa, pattern) for tokens, sa in self.shards)
-            if any(hi > lo for lo, hi in ranges):
-                return Match(n, ranges)
-        return None
+        longest = min(n_max, context.shape[0])
+        if longest < n_min:
+            return None
+        ranges = self._ranges(context[-n_min:])
+        if ranges is None:
+            return None
+        found, low, high = Match(n_min, ranges), n_min + 1, longest
+        while low <= high:
+            n = (low + high) // 2
+            ranges = self._ranges(context[-n:])
+            if ranges is None:
+                high = n - 1
+            else:
+                found, low = Match(n, ranges), n + 1
+        return found
+
+    def _ranges(self, pattern: np.ndarray) -> tuple[tuple[int, int], ...] | None:
+        """Each shard's suffix-array rows starting with ``pattern``, or ``None`` where no shard holds it."""
+        ranges = tuple(sa_range_within(tokens, sa, pattern, *self._rows_of_first(index, int(pattern[0])))
+                       for index, (tokens, sa) in enumerate(self.shards))
+        return ranges if any(hi > lo for lo, hi in ranges) else None
+
+    def _rows_of_first(self, shard: int, token: int) -> tuple[int, int]:
+        """The rows of shard ``shard``'s suffixes that start with ``token`` (searched once, then remembered)."""
+        rows = self._first_rows[shard].get(token)
+        if rows is None:
+            tokens, sa = self.shards[shard]
+            rows = self._first_rows[shard][token] = sa_range(tokens, sa, np.array([token], dtype=np.int64))
+        return rows
 
     def continuations(self, match: Match, k: int, m: int) -> np.ndarray:
         """Up to ``k`` continuations of ``m`` tokens after the match, spread over shards by their share of hits.

@@ -31,9 +31,11 @@ def _compare(tokens, start, pattern):
 
 
 @njit(cache=True, nogil=True)
-def sa_range(tokens, sa, pattern):
-    """``(lo, hi)``: the suffix-array rows whose suffixes start with ``pattern`` (``lo == hi`` when none)."""
-    lo, hi = 0, sa.shape[0]
+def sa_range_within(tokens, sa, pattern, lo, hi):
+    """``(lo, hi)``: the suffix-array rows whose suffixes start with ``pattern`` (``lo == hi`` when none), searched
+    only among rows ``[lo, hi)`` (which must hold them all: e.g. the range of ``pattern``'s first token)."""
+    lo, hi = max(np.int64(lo), np.int64(0)), min(np.int64(hi), np.int64(sa.shape[0]))
+    end = hi
     while lo < hi:  # first row whose suffix is >= pattern
         mid = (lo + hi) // 2
         if _compare(tokens, np.int64(sa[mid]), pattern) < 0:
@@ -41,7 +43,7 @@ def sa_range(tokens, sa, pattern):
         else:
             hi = mid
     first = lo
-    hi = sa.shape[0]
+    hi = end
     while lo < hi:  # first row whose suffix sorts after every string starting with pattern
         mid = (lo + hi) // 2
         if _compare(tokens, np.int64(sa[mid]), pattern) <= 0:
@@ -49,6 +51,12 @@ def sa_range(tokens, sa, pattern):
         else:
             hi = mid
     return first, lo
+
+
+@njit(cache=True, nogil=True)
+def sa_range(tokens, sa, pattern):
+    """``(lo, hi)``: the suffix-array rows whose suffixes start with ``pattern`` (``lo == hi`` when none)."""
+    return sa_range_within(tokens, sa, pattern, 0, sa.shape[0])
 
 
 @njit(cache=True, nogil=True)

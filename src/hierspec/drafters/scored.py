@@ -30,7 +30,7 @@ from hierspec.accept import Verdict
 from hierspec.tree import DraftTree, build_tree, root_only
 
 #: depth bins: depths 1, 2, 3, 4, 5-6, 7+ (a sequence's later tokens are accepted less often)
-_DEPTH_BINS = np.array([0, 0, 1, 2, 3, 4, 4, 5])  # indexed by depth (0 is the root)
+_DEPTH_BINS = (0, 0, 1, 2, 3, 4, 4, 5)  # indexed by depth (0 is the root)
 #: confidence bins per source (0 = strongest evidence)
 CONFIDENCE_BINS = 4
 #: a (source, bin) pair's first depth starts as if it had seen this many acceptances out of this many trials; each
@@ -99,7 +99,7 @@ def linear_cost(rows: int) -> float:
 
 def depth_bin(depth: int) -> int:
     """The depth bin of a node ``depth`` tokens below the root (1-based)."""
-    return int(_DEPTH_BINS[min(depth, _DEPTH_BINS.shape[0] - 1)])
+    return _DEPTH_BINS[min(depth, len(_DEPTH_BINS) - 1)]
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class AcceptanceModel:
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.sources)}
-        shape = (len(self.sources), CONFIDENCE_BINS, int(_DEPTH_BINS.max()) + 1)
+        shape = (len(self.sources), CONFIDENCE_BINS, max(_DEPTH_BINS) + 1)
         self.trials = np.zeros(shape)
         self.hits = np.zeros(shape)
         self.predicted = np.zeros(10)  # calibration: summed predicted p per decile of p
@@ -208,12 +208,15 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     per unit of cost.
     """
     trie = _Trie()
-    rates = model.rates()
+    rates = model.rates().tolist()  # nested lists: ~30 nodes a step read them, a NumPy element read costs ~10x more
     for candidate in candidates:
+        source, confidence, _ = model.cell(candidate.source, candidate.confidence, 1)
+        by_level = rates[source][confidence]
         node = 0
         for depth, token in enumerate(candidate.tokens, start=1):
-            cell = model.cell(candidate.source, candidate.confidence, depth)
-            node = trie.add(node, int(token), trie.probability[node] * float(rates[cell]), candidate.source, cell)
+            level = depth_bin(depth)
+            node = trie.add(node, int(token), trie.probability[node] * by_level[level], candidate.source,
+                            (source, confidence, level))
     if trie.size == 1 or budget <= 0:
         return _empty(root)
     p = np.asarray(trie.probability)
@@ -254,7 +257,7 @@ class _Trie:
         """The child of ``parent`` with ``token``, created or improved to ``probability``."""
         child = self.children[parent].get(token)
         if child is None:
-            child = self.size
+            child = len(self.token)
             self.children[parent][token] = child
             self.children.append({})
             self.token.append(token)

@@ -213,11 +213,12 @@ class TreeCache(Cache):
     def keep(self, start: int, kept: Sequence[int]) -> None:
         """Keep the entries ``start + kept[i]`` (ascending tree node indices, root first) as the new tail and drop the
         rest of the last forward's entries. ``kept == [0, 1, .., k-1]`` only shortens the cache."""
-        offsets = torch.as_tensor(list(kept), dtype=torch.long)
-        if bool(torch.equal(offsets, torch.arange(offsets.shape[0]))):
+        kept = list(kept)
+        if kept == list(range(len(kept))):
             for layer in self.layers:
-                layer.crop(start + offsets.shape[0] - layer.get_seq_length())
+                layer.crop(start + len(kept) - layer.get_seq_length())
             return
+        offsets = torch.as_tensor(kept, dtype=torch.long)
         layers = [layer for layer in self.layers if layer.is_initialized]
         buffers = [buffer for layer in layers for buffer in (layer._keys, layer._values)]
         compiled = loaded_kernel()
