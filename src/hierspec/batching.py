@@ -126,8 +126,9 @@ class BatchScheduler:
         self._idle_drafters: list[Drafter] = []
         self._idle_caches: list = []
         self._slots: list | None = None  # the batch's caches (slots of one pool), made at the first admission
-        # what each running request verified and gained last step, for sizing the others' trees
+        # what each running request verified and spent drafting last step, for sizing the others' trees
         self._rows: dict[int, int] = {}
+        self._draft_ms: dict[int, float] = {}
         # generations one forward can hold: the CUDA graphs' single static cache allows one
         self.max_batch = self.config.max_batch if target.runtime.graphed is None else 1
         self.steps = 0
@@ -261,9 +262,11 @@ class BatchScheduler:
         others = [r for r in running if r is not request]
         rows = sum(self._rows.get(r.id, 1) for r in others)
         tokens = sum(r._generation.stats.mean_accepted or 1.0 for r in others)
-        generation.drafter.share_forward(rows, tokens)
+        generation.drafter.share_forward(rows, tokens, sum(self._draft_ms.get(r.id, 0.0) for r in others))
         share = self.config.max_rows // len(running) - 1
+        started = time.perf_counter()
         tree = generation.propose(max(0, share))
+        self._draft_ms[request.id] = 1e3 * (time.perf_counter() - started)
         self._rows[request.id] = tree.size
         return tree
 
@@ -303,6 +306,7 @@ class BatchScheduler:
         """Take a request out of the batch: its generation ends, its drafter and cache serve the next request."""
         self._running.remove(request)
         self._rows.pop(request.id, None)
+        self._draft_ms.pop(request.id, None)
         generation = request._generation
         if generation is not None:
             try:

@@ -69,7 +69,7 @@ class CostCurve:
             return lambda rows: float(np.interp(bucket_for(rows, buckets), sizes, rising))
 
         long = reader(self.long_ms) if self.long_ms else None
-        return ContextCost(reader(self.ms), self.context, long, self.long_context)
+        return ContextCost(reader(self.ms), self.context, long, self.long_context, milliseconds=True)
 
     def to_json(self) -> dict:
         data = {"magic": MAGIC, "version": VERSION, "identity": self.identity,

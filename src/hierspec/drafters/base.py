@@ -44,10 +44,11 @@ class Drafter(ABC):
         models' forwards (from their measured cost curves). Retrieval is taken as free (0, the default)."""
         return 0.0
 
-    def share_forward(self, rows: int, tokens: float) -> None:
+    def share_forward(self, rows: int, tokens: float, draft_ms: float = 0.0) -> None:
         """Called before :meth:`propose` when other generations' trees are verified in the same forward (batched
-        serving): they hold ``rows`` rows and are expected to add ``tokens`` tokens. Drafters that size their trees
-        by cost then maximise the tokens per millisecond of the whole forward; alone, ``(0, 0)``."""
+        serving): they hold ``rows`` rows, are expected to add ``tokens`` tokens and took ``draft_ms`` milliseconds
+        to draft. Drafters that size their trees by cost then maximise the tokens per millisecond of the whole
+        step; alone, ``(0, 0, 0)``."""
 
     def use_window(self, window) -> bool:
         """Offered once by the cost-aware wrapper: a drafter that drafts token by token (a draft model, HSDDW's

@@ -126,9 +126,9 @@ class CostAwareDrafter(Drafter):
     def draft_cost(self, tokens: int) -> float:
         return self.inner.draft_cost(tokens)
 
-    def share_forward(self, rows: int, tokens: float) -> None:
+    def share_forward(self, rows: int, tokens: float, draft_ms: float = 0.0) -> None:
         self._shared = (int(rows), float(tokens))
-        self.inner.share_forward(rows, tokens)
+        self.inner.share_forward(rows, tokens, draft_ms)
 
     # ----------------------------------------------------------------- the plan
     def rates(self, deepest: int) -> np.ndarray:

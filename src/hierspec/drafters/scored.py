@@ -48,10 +48,14 @@ class ContextCost:
         rows_cost: the cost of ``rows`` at ``context`` (already read at the runtime's bucket sizes).
         long_cost: the same at ``long_context``, or ``None`` when only one context was measured (the cost then
             does not depend on it).
+        milliseconds: whether the costs are measured milliseconds (a calibrated curve), which other times (a
+            search's, a draft model's) may be added to; else only relative (:func:`linear_cost`).
     """
 
     def __init__(self, rows_cost: Callable[[int], float], context: int = 0,
-                 long_cost: Callable[[int], float] | None = None, long_context: int = 0) -> None:
+                 long_cost: Callable[[int], float] | None = None, long_context: int = 0,
+                 milliseconds: bool = False) -> None:
+        self.milliseconds = milliseconds
         self._base = functools.lru_cache(maxsize=None)(rows_cost)
         self._long = long_cost if long_context > context else None
         self.context, self.long_context = context, long_context
