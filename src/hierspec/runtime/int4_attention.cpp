@@ -377,6 +377,45 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& key, const torch::
 
 }  // namespace
 
+namespace {
+
+// The argument checks of exact_attention but the plan's (check_plan, which reads every index)
+void check_operands(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                    const torch::Tensor& keys, const torch::Tensor& values) {
+  for (const auto* t : {&query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "exact_attention reads float32 queries, keys and values");
+  TORCH_CHECK((keys.scalar_type() == torch::kHalf || keys.scalar_type() == torch::kFloat32) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "exact_attention's cache buffers: float32 or float16, both alike");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
+              "query, key, value: [1, heads, rows, dim]");
+  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous(),
+              "keys, values: contiguous [blocks, slots, dim]");
+  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && key.size(2) == rows && key.size(3) == dim && value.sizes() == key.sizes() &&
+                  keys.size(2) == dim, "query, key and value shapes do not agree with the buffers");
+}
+
+// exact_attention once its arguments and plan are checked
+torch::Tensor attend_checked(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                             const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
+                             const torch::Tensor& write_slots, const torch::Tensor& indptr,
+                             const torch::Tensor& indices, const torch::Tensor& blocks, double scale) {
+  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
+  const auto q = query.stride(3) == 1 ? query : query.contiguous();
+  auto out = torch::empty({rows, heads * dim}, query.options());
+  if (keys.scalar_type() == torch::kHalf)
+    attend_rows(q, key, value, reinterpret_cast<uint16_t*>(keys.data_ptr<at::Half>()),
+                reinterpret_cast<uint16_t*>(values.data_ptr<at::Half>()), keys.size(1), write_blocks, write_slots,
+                indptr, indices, blocks, kv_heads, scale, out);
+  else
+    attend_rows(q, key, value, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(1), write_blocks,
+                write_slots, indptr, indices, blocks, kv_heads, scale, out);
+  return out;
+}
+
+}  // namespace
+
 // query [1, heads, rows, dim] (rows and heads at any strides, dim contiguous); key, value [1, kv_heads, rows, dim],
 // written first into keys/values [blocks, slots, dim] (contiguous float32 or float16 buffers: one sequence's cache
 // layer viewed as [kv_heads, capacity, dim], or a pool's [sequences * kv_heads, capacity, dim]) at block
@@ -387,29 +426,10 @@ torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& k
                               const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
                               const torch::Tensor& write_slots, const torch::Tensor& indptr,
                               const torch::Tensor& indices, const torch::Tensor& blocks, double scale) {
-  for (const auto* t : {&query, &key, &value})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "exact_attention reads float32 queries, keys and values");
-  const bool half = keys.scalar_type() == torch::kHalf;
-  TORCH_CHECK((half || keys.scalar_type() == torch::kFloat32) && values.scalar_type() == keys.scalar_type(),
-              "exact_attention's cache buffers: float32 or float16, both alike");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
-              "query, key, value: [1, heads, rows, dim]");
-  TORCH_CHECK(keys.dim() == 3 && keys.is_contiguous() && values.sizes() == keys.sizes() && values.is_contiguous(),
-              "keys, values: contiguous [blocks, slots, dim]");
-  const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && key.size(2) == rows && key.size(3) == dim && value.sizes() == key.sizes() &&
-                  keys.size(2) == dim, "query, key and value shapes do not agree with the buffers");
-  check_plan(indptr, indices, blocks, write_blocks, write_slots, rows, keys.size(0), keys.size(1), kv_heads);
-  const auto q = query.stride(3) == 1 ? query : query.contiguous();
-  auto out = torch::empty({rows, heads * dim}, query.options());
-  if (half)
-    attend_rows(q, key, value, reinterpret_cast<uint16_t*>(keys.data_ptr<at::Half>()),
-                reinterpret_cast<uint16_t*>(values.data_ptr<at::Half>()), keys.size(1), write_blocks, write_slots,
-                indptr, indices, blocks, kv_heads, scale, out);
-  else
-    attend_rows(q, key, value, keys.data_ptr<float>(), values.data_ptr<float>(), keys.size(1), write_blocks,
-                write_slots, indptr, indices, blocks, kv_heads, scale, out);
-  return out;
+  check_operands(query, key, value, keys, values);
+  check_plan(indptr, indices, blocks, write_blocks, write_slots, query.size(2), keys.size(0), keys.size(1),
+             key.size(1));
+  return attend_checked(query, key, value, keys, values, write_blocks, write_slots, indptr, indices, blocks, scale);
 }
 
 ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim)
@@ -423,17 +443,27 @@ void ExactLayerStack::add(const torch::Tensor& norm1, const std::vector<std::vec
   layers_.push_back(Layer{norm1, qkv, bias, norm2, out, gate_up, down, intermediate});
 }
 
+// The plan is checked once, against the first layer's buffers, which every layer's must equal in shape.
 torch::Tensor ExactLayerStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                                        const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                                        const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
                                        const torch::Tensor& indptr, const torch::Tensor& indices,
                                        const torch::Tensor& blocks) const {
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "one key and value buffer per layer");
+  TORCH_CHECK(!layers_.empty(), "a stack without layers");
+  for (size_t i = 0; i < layers_.size(); ++i)
+    TORCH_CHECK(keys[i].sizes() == keys[0].sizes() && values[i].sizes() == keys[0].sizes(),
+                "every layer's key and value buffers alike in shape");
+  check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys[0].size(0), keys[0].size(1),
+             kv_heads_);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
-    hidden = exact_layer(hidden, l.norm1, eps_, l.qkv, l.bias, cos, signed_sin, heads_, kv_heads_, dim_, keys[i],
-                         values[i], write_blocks, write_slots, indptr, indices, blocks, scale_, l.norm2, l.out,
-                         l.gate_up, l.down, l.intermediate);
+    const auto inputs = attention_inputs(hidden, l.norm1, eps_, l.qkv, l.bias, cos, signed_sin, heads_, kv_heads_,
+                                         dim_);
+    check_operands(inputs[0], inputs[1], inputs[2], keys[i], values[i]);
+    const auto attended = attend_checked(inputs[0], inputs[1], inputs[2], keys[i], values[i], write_blocks,
+                                         write_slots, indptr, indices, blocks, scale_);
+    hidden = mlp_block(hidden, attended, l.norm2, eps_, l.out, l.gate_up, l.down, l.intermediate);
   }
   return hidden;
 }
