@@ -36,8 +36,10 @@ using hierspec_int4::narrow_half;
 using hierspec_int4::store_half;
 using hierspec_int4::widen;
 
-// below this many (row, key, head) triples a call runs on one thread: waking the pool costs more than it saves
-constexpr int64_t kParallelWork = 4096;
+// below this many (row, key, head) triples a call runs on one thread: waking the pool costs more than it saves (in
+// a forward the pool is awake between the products: one SmolLM2 row over 300 keys, 30 layers, 0.56 -> 0.46 ms at
+// 1024 instead of 4096)
+constexpr int64_t kParallelWork = 1024;
 
 // The lanes of v summed pairwise in halves (lane i with i + lanes / 2, and so on): a fixed order
 inline float halving_sum(vf v) {
