@@ -222,9 +222,16 @@ def test_the_layer_stack_equals_one_compiled_call_per_layer(module, tmp_path):
                                         layer.gate_up.widths[0])
     assert torch.equal(stacked, one_by_one)
     assert all(torch.equal(a, b) for pair, copy in zip(buffers, copies) for a, b in zip(pair, copy))
+    stack = decoder._fused.layer_stack()
     with pytest.raises(RuntimeError, match="one key and value buffer per layer"):
-        decoder._fused.layer_stack().forward(hidden, cos, sin, [], [], write_blocks, write_slots, indptr, indices,
-                                             blocks)
+        stack.forward(hidden, cos, sin, [], [], write_blocks, write_slots, indptr, indices, blocks)
+    # the plan is checked once per forward, against buffers that must all have the first one's shape
+    keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+    with pytest.raises(RuntimeError, match="attended slot outside"):
+        stack.forward(hidden, cos, sin, keys, values, write_blocks, write_slots, indptr, indices + 64, blocks)
+    shorter = keys[:-1] + [keys[-1][:, :32].contiguous()]
+    with pytest.raises(RuntimeError, match="alike in shape"):
+        stack.forward(hidden, cos, sin, shorter, values, write_blocks, write_slots, indptr, indices, blocks)
 
 
 def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_path):

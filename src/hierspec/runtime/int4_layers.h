@@ -47,7 +47,8 @@ class ExactLayerStack {
            const c10::optional<torch::Tensor>& bias, const torch::Tensor& norm2,
            const std::vector<std::vector<torch::Tensor>>& out, const std::vector<std::vector<torch::Tensor>>& gate_up,
            const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
-  // exact_layer through every layer in order, layer i over keys[i] and values[i]
+  // exact_layer through every layer in order, layer i over keys[i] and values[i] (alike in shape: the plan is
+  // checked once)
   torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                         const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
                         const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
