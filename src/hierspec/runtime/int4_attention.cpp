@@ -434,6 +434,25 @@ torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& k
   return attend_checked(query, key, value, keys, values, write_blocks, write_slots, indptr, indices, blocks, scale);
 }
 
+namespace {
+
+// One int4 layer once its plan is checked: attention_inputs, the rows' keys and values written and attended
+// exactly over the cache buffers, mlp_block (exact_layer and every layer of ExactLayerStack::forward)
+torch::Tensor planned_layer(const torch::Tensor& hidden, const ExactLayerWeights& w, double eps,
+                            const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads,
+                            int64_t kv_heads, int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
+                            const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
+                            const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
+                            double scale) {
+  const auto inputs = attention_inputs(hidden, w.norm1, eps, w.qkv, w.bias, cos, signed_sin, heads, kv_heads, dim);
+  check_operands(inputs[0], inputs[1], inputs[2], keys, values);
+  const auto attended = attend_checked(inputs[0], inputs[1], inputs[2], keys, values, write_blocks, write_slots,
+                                       indptr, indices, blocks, scale);
+  return mlp_block(hidden, attended, w.norm2, eps, w.out, w.gate_up, w.down, w.intermediate);
+}
+
+}  // namespace
+
 ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim)
     : eps_(eps), scale_(scale), heads_(heads), kv_heads_(kv_heads), dim_(dim) {}
 
@@ -442,7 +461,7 @@ void ExactLayerStack::add(const torch::Tensor& norm1, const std::vector<std::vec
                           const std::vector<std::vector<torch::Tensor>>& out,
                           const std::vector<std::vector<torch::Tensor>>& gate_up,
                           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
-  layers_.push_back(Layer{norm1, qkv, bias, norm2, out, gate_up, down, intermediate});
+  layers_.push_back(ExactLayerWeights{norm1, qkv, bias, norm2, out, gate_up, down, intermediate});
 }
 
 // The plan is checked once, against the first layer's buffers, which every layer's must equal in shape.
@@ -458,19 +477,13 @@ torch::Tensor ExactLayerStack::forward(torch::Tensor hidden, const torch::Tensor
                 "every layer's key and value buffers alike in shape");
   check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys[0].size(0), keys[0].size(1),
              kv_heads_);
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const Layer& l = layers_[i];
-    const auto inputs = attention_inputs(hidden, l.norm1, eps_, l.qkv, l.bias, cos, signed_sin, heads_, kv_heads_,
-                                         dim_);
-    check_operands(inputs[0], inputs[1], inputs[2], keys[i], values[i]);
-    const auto attended = attend_checked(inputs[0], inputs[1], inputs[2], keys[i], values[i], write_blocks,
-                                         write_slots, indptr, indices, blocks, scale_);
-    hidden = mlp_block(hidden, attended, l.norm2, eps_, l.out, l.gate_up, l.down, l.intermediate);
-  }
+  for (size_t i = 0; i < layers_.size(); ++i)
+    hidden = planned_layer(hidden, layers_[i], eps_, cos, signed_sin, heads_, kv_heads_, dim_, keys[i], values[i],
+                           write_blocks, write_slots, indptr, indices, blocks, scale_);
   return hidden;
 }
 
-// One int4 layer with exact attention: attention_inputs, exact_attention over the cache buffers, mlp_block.
+// One int4 layer with exact attention: its plan checked, then planned_layer.
 torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
                           const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,
                           const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
@@ -481,8 +494,9 @@ torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm
                           const std::vector<std::vector<torch::Tensor>>& out,
                           const std::vector<std::vector<torch::Tensor>>& gate_up,
                           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
-  const auto inputs = attention_inputs(hidden, norm1, eps, qkv, bias, cos, signed_sin, heads, kv_heads, dim);
-  const auto attended = exact_attention(inputs[0], inputs[1], inputs[2], keys, values, write_blocks, write_slots,
-                                        indptr, indices, blocks, scale);
-  return mlp_block(hidden, attended, norm2, eps, out, gate_up, down, intermediate);
+  TORCH_CHECK(keys.dim() == 3, "keys, values: contiguous [blocks, slots, dim]");
+  check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys.size(0), keys.size(1), kv_heads);
+  return planned_layer(hidden, ExactLayerWeights{norm1, qkv, bias, norm2, out, gate_up, down, intermediate}, eps, cos,
+                       signed_sin, heads, kv_heads, dim, keys, values, write_blocks, write_slots, indptr, indices,
+                       blocks, scale);
 }

@@ -37,6 +37,16 @@ torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm
                           const std::vector<std::vector<torch::Tensor>>& gate_up,
                           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
 
+// One int4 layer's weights, as exact_layer takes them
+struct ExactLayerWeights {
+  torch::Tensor norm1;
+  std::vector<std::vector<torch::Tensor>> qkv;
+  c10::optional<torch::Tensor> bias;
+  torch::Tensor norm2;
+  std::vector<std::vector<torch::Tensor>> out, gate_up, down;
+  int64_t intermediate;
+};
+
 // Every layer of an int4 decoder with exact attention, its weights held here once: a forward's layers are one call
 // from Python instead of one each (a call converts ~20 arguments, nested lists of tensors among them)
 class ExactLayerStack {
@@ -56,17 +66,9 @@ class ExactLayerStack {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  struct Layer {
-    torch::Tensor norm1;
-    std::vector<std::vector<torch::Tensor>> qkv;
-    c10::optional<torch::Tensor> bias;
-    torch::Tensor norm2;
-    std::vector<std::vector<torch::Tensor>> out, gate_up, down;
-    int64_t intermediate;
-  };
   double eps_, scale_;
   int64_t heads_, kv_heads_, dim_;
-  std::vector<Layer> layers_;
+  std::vector<ExactLayerWeights> layers_;
 };
 
 // row_topk.cpp
