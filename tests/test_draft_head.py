@@ -9,7 +9,8 @@ import torch
 from hierspec.config import GenerationConfig
 from hierspec.datastore.dense import TokenDocument
 from hierspec.datastore.draft_head import (HeadBuildConfig, HeadStore, build_head_store, frequent_tokens,
-                                           probability_bin, train_head, training_pairs)
+                                           probability_bin, top_probabilities, train_head,
+                                           training_pairs)
 from hierspec.datastore.format import DatastoreError
 from hierspec.datastore.successors import SuccessorTable
 from hierspec.decode import SpeculativeDecoder
@@ -60,6 +61,14 @@ def test_training_pairs_stay_inside_documents():
 def test_frequent_tokens_by_count_then_id():
     assert frequent_tokens(np.array([3, 1, 3, 2, 1, 3]), 2).tolist() == [3, 1]
     assert frequent_tokens(np.array([5, 4, 4, 5]), 3).tolist() == [4, 5]
+
+
+def test_top_probabilities_are_the_softmax_of_the_largest():
+    top, probabilities = top_probabilities(np.log(np.array([1.0, 3.0, 2.0, 2.0])), 2)
+    assert top[0] == 1 and top[1] in (2, 3)
+    np.testing.assert_allclose(probabilities, [0.375, 0.25])
+    assert top_probabilities(np.log(np.array([4.0, 1.0, 1.0, 2.0])), 1)[0].tolist() == [0]
+    assert top_probabilities(np.zeros(3), 5)[0].shape == (3,)
 
 
 def test_probability_bins():
