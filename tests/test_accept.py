@@ -96,8 +96,8 @@ def test_speculative_sample_acceptance_rate_is_p_over_q():
     assert accepted / 20000 == pytest.approx(0.25, abs=0.015)
 
 
-def test_row_topk_matches_a_stable_sort_with_ties_and_nans_on_the_compiled_extension():
-    from hierspec.accept import row_topk
+def test_row_predictions_match_numpy_argmax_and_a_stable_sort_with_ties_and_nans_on_the_compiled_extension():
+    from hierspec.accept import row_argmax, row_predictions
     from hierspec.runtime import int4_kernel
 
     module, reason = int4_kernel.compiled_kernel()
@@ -109,12 +109,17 @@ def test_row_topk_matches_a_stable_sort_with_ties_and_nans_on_the_compiled_exten
         logits = torch.randint(-40, 40, (6, n), generator=gen).float() / 4  # many ties
         logits[0, 3] = float("nan")
         logits[1, : min(n, 50)] = 99.0  # the row's largest all equal: index order
-        got = row_topk(logits, k)
+        logits[2, n - 1] = float("nan")  # a NaN in the tail after the last whole vector
+        logits[3, n // 2 :] = float("nan")
+        logits[4] = float("-inf")
+        argmax, got = row_predictions(logits, k)
         for row, indices in zip(logits.numpy(), got):
             expected = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")[:k]
             assert indices.tolist() == expected.tolist()
-        # other dtypes take PyTorch's topk: the same values (tie order may differ)
-        wide = row_topk(logits.double().nan_to_num(-1e9), k)
+        assert argmax.tolist() == np.argmax(logits.numpy(), axis=1).tolist() == row_argmax(logits).tolist()
+        # other dtypes take NumPy's argmax and PyTorch's topk: the same values (tie order may differ)
+        wide_argmax, wide = row_predictions(logits.double().nan_to_num(-1e9), k)
+        assert wide_argmax.tolist() == np.argmax(logits.nan_to_num(-1e9).numpy(), axis=1).tolist()
         assert np.array_equal(np.take_along_axis(logits.nan_to_num(-1e9).numpy(), wide, 1),
                               np.take_along_axis(logits.nan_to_num(-1e9).numpy(), got, 1))
     with pytest.raises(RuntimeError, match="k must be"):

@@ -139,27 +139,27 @@ def verify(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, gene
 
 
 def _predictions(logits: torch.Tensor, topk: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """The target's argmax per row and, for ``topk > 1``, its top-k token ids per row.
-
-    The argmax is always taken with ``argmax`` (not from ``topk``, whose tie-breaking may differ) so that greedy
-    acceptance matches plain greedy decoding exactly: the first maximal entry of each row, for every tree size.
-    """
-    argmax = row_argmax(logits)
+    """The target's argmax per row and, for ``topk > 1``, its top-k token ids per row (:func:`row_predictions`)."""
     if topk <= 1:
-        return argmax, None
-    return argmax, row_topk(logits, min(topk, logits.shape[-1]))
+        return row_argmax(logits), None
+    return row_predictions(logits, min(topk, logits.shape[-1]))
 
 
-def row_topk(logits: torch.Tensor, k: int) -> np.ndarray:
-    """The ``k`` largest entries' indices of each row of ``[n, vocab]`` logits, largest first, ``[n, k]`` int64.
+def row_predictions(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's argmax (:func:`row_argmax`'s: the first maximal entry, the first NaN if any) and the indices of
+    its ``k`` largest entries, largest first, ``[n]`` and ``[n, k]`` int64.
 
-    Float32 rows on the CPU go through the compiled extension's one-pass top-k where the int4 path has loaded it
-    (~40 µs a 49152-entry row with PyTorch's ``topk``, ~2 µs there); equal values then come in index order.
+    Float32 rows on the CPU go through the compiled extension's one pass where the int4 path has loaded it: it
+    finds both (PyTorch's ``topk`` took ~40 µs a 49152-entry row, there ~2 µs; NumPy's ``argmax`` another ~16 µs a
+    row in a decoding step); equal values come in index order and NaN ranks as -inf in the top-k. Elsewhere the
+    argmax is NumPy's and the top-k PyTorch's, whose tie order may differ — the argmax is never taken from a top-k
+    whose tie-breaking is not NumPy's, so greedy acceptance matches plain greedy decoding exactly for every tree size.
     """
     compiled = loaded_kernel() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if compiled is not None:
-        return compiled.row_topk(logits.detach().contiguous(), k).numpy()
-    return logits.topk(k, dim=-1).indices.cpu().numpy()
+        argmax, top = compiled.row_topk(logits.detach().contiguous(), k)
+        return argmax.numpy(), top.numpy()
+    return row_argmax(logits), logits.topk(k, dim=-1).indices.cpu().numpy()
 
 
 def row_argmax(logits: torch.Tensor) -> np.ndarray:

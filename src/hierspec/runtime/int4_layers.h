@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 // int4_blocks.cpp
@@ -72,7 +73,7 @@ class ExactLayerStack {
 };
 
 // row_topk.cpp
-torch::Tensor row_topk(const torch::Tensor& logits, int64_t k);
+std::tuple<torch::Tensor, torch::Tensor> row_topk(const torch::Tensor& logits, int64_t k);
 
 // cache_keep.cpp
 void keep_entries(const std::vector<torch::Tensor>& buffers, int64_t start, const torch::Tensor& offsets);

@@ -33,46 +33,63 @@ inline void insert(float value, int64_t index, float* values, int64_t* indices, 
   indices[p] = index;
 }
 
-// bit i set where row[j + i] > threshold, for one vector of lanes
-inline uint32_t above(const float* row, float threshold) {
+// bit i set where row[j + i] > threshold, for one vector of lanes; `nan` gets bit i set where row[j + i] is NaN
+inline uint32_t above(const float* row, float threshold, uint32_t* nan) {
 #ifdef __AVX512F__
-  return _mm512_cmp_ps_mask(_mm512_loadu_ps(row), _mm512_set1_ps(threshold), _CMP_GT_OQ);
+  const __m512 v = _mm512_loadu_ps(row);
+  *nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cmp_ps_mask(v, _mm512_set1_ps(threshold), _CMP_GT_OQ);
 #else
-  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row), _mm256_set1_ps(threshold),
-                                                                _CMP_GT_OQ)));
+  const __m256 v = _mm256_loadu_ps(row);
+  *nan = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(threshold), _CMP_GT_OQ)));
 #endif
 }
 
-void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out) {
+// the row's k largest entries' indices into out (NaN as -inf) and its NumPy argmax into *argmax: the first NaN if
+// there is one, else the first maximal entry (the list's first)
+void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out, int64_t* argmax) {
   std::vector<float> values(k, -INFINITY);
   std::vector<int64_t> indices(k, 0);
+  int64_t first_nan = -1;
   int64_t j = 0;
-  for (; j < k; ++j) insert(row[j] == row[j] ? row[j] : -INFINITY, j, values.data(), indices.data(), j + 1);
+  for (; j < k; ++j) {
+    if (row[j] != row[j] && first_nan < 0) first_nan = j;
+    insert(row[j] == row[j] ? row[j] : -INFINITY, j, values.data(), indices.data(), j + 1);
+  }
   for (; j + kLanes <= n; j += kLanes) {
-    for (uint32_t bits = above(row + j, values[k - 1]); bits != 0; bits &= bits - 1) {
+    uint32_t nan = 0;
+    for (uint32_t bits = above(row + j, values[k - 1], &nan); bits != 0; bits &= bits - 1) {
       const int64_t i = j + __builtin_ctz(bits);
       if (row[i] > values[k - 1]) insert(row[i], i, values.data(), indices.data(), k);
     }
+    if (nan != 0 && first_nan < 0) first_nan = j + __builtin_ctz(nan);
   }
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
+    if (row[j] != row[j] && first_nan < 0) first_nan = j;
     if (row[j] > values[k - 1]) insert(row[j], j, values.data(), indices.data(), k);
+  }
   for (int64_t i = 0; i < k; ++i) out[i] = indices[i];
+  *argmax = first_nan >= 0 ? first_nan : indices[0];
 }
 
 }  // namespace
 
-// logits: float32 [rows, n], contiguous. Returns int64 [rows, k]: each row's k largest entries' indices, largest
-// first, equal values in index order (so the first column is the row's first maximal entry); NaN ranks as -inf.
-torch::Tensor row_topk(const torch::Tensor& logits, int64_t k) {
+// logits: float32 [rows, n], contiguous. Returns int64 [rows] and [rows, k]: each row's argmax as NumPy's (the first
+// NaN, else the first maximal entry: the verifier's greedy token, without a second pass over the row) and its k
+// largest entries' indices, largest first, equal values in index order, NaN ranking as -inf.
+std::tuple<torch::Tensor, torch::Tensor> row_topk(const torch::Tensor& logits, int64_t k) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
               "logits: contiguous float32 [rows, n]");
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(k >= 1 && k <= n, "k must be in 1..n");
   auto out = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
+  auto argmax = torch::empty({rows}, logits.options().dtype(torch::kInt64));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
+  int64_t* a = argmax.data_ptr<int64_t>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) top_of_row(x + r * n, n, k, o + r * k);
+    for (int64_t r = begin; r < end; ++r) top_of_row(x + r * n, n, k, o + r * k, a + r);
   });
-  return out;
+  return {argmax, out};
 }
