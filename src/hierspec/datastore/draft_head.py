@@ -111,7 +111,6 @@ class HeadStore:
                  rows: torch.Tensor) -> None:
         self.directory, self.header, self.head = directory, header, head
         self.shortlist = shortlist
-        self._shortlist = torch.from_numpy(shortlist.astype(np.int64))
         self.rows = rows
         self._gain = head.gain.detach().numpy().copy()
         self._products = self._float_products()  # up, down and shortlist products: float32 or int4 kernels
