@@ -52,9 +52,10 @@ void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out, int64_t* a
   std::vector<float> values(k, -INFINITY);
   std::vector<int64_t> indices(k, 0);
   int64_t first_nan = -1;
+  auto note_nan = [&](int64_t i) { if (first_nan < 0 && row[i] != row[i]) first_nan = i; };
   int64_t j = 0;
   for (; j < k; ++j) {
-    if (row[j] != row[j] && first_nan < 0) first_nan = j;
+    note_nan(j);
     insert(row[j] == row[j] ? row[j] : -INFINITY, j, values.data(), indices.data(), j + 1);
   }
   for (; j + kLanes <= n; j += kLanes) {
@@ -66,7 +67,7 @@ void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out, int64_t* a
     if (nan != 0 && first_nan < 0) first_nan = j + __builtin_ctz(nan);
   }
   for (; j < n; ++j) {
-    if (row[j] != row[j] && first_nan < 0) first_nan = j;
+    note_nan(j);
     if (row[j] > values[k - 1]) insert(row[j], j, values.data(), indices.data(), k);
   }
   for (int64_t i = 0; i < k; ++i) out[i] = indices[i];
