@@ -119,6 +119,17 @@ def test_amx_packing_puts_two_outputs_in_one_byte_and_32_codes_of_an_output_toge
         k.pack_amx([codes, codes], [torch.ones(16, 2)] * 2, [torch.zeros(16, 2)] * 2)
 
 
+def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_one():
+    codes = torch.zeros(16, 64, dtype=torch.uint8)
+    exact = k.pack_amx([codes], [torch.full((16, 2), 0.375)], [torch.full((16, 2), 5.0)])  # bias 5 - 8 * 0.375 = 2
+    assert exact.scales.dtype == exact.bias.dtype == torch.float16 and exact.bias.flatten().tolist() == [2.0] * 32
+    offset = k.pack_amx([codes], [torch.full((16, 2), 0.375)], [torch.full((16, 2), 3.1)])  # bias 0.1: no float16
+    assert offset.scales.dtype == offset.bias.dtype == torch.float32
+    signed = torch.zeros(16, 32, dtype=torch.int8)
+    assert k.pack_amx_int8(signed, torch.full((16, 2), 1e5)).scales.dtype == torch.float32  # beyond float16
+    assert k.pack_amx_int8(signed, torch.full((16, 2), 2.0 ** -20)).scales.dtype == torch.float16  # a subnormal
+
+
 def _amx_expected(rows, weight):
     """The AMX products' model in float64: the rows rounded to bfloat16 times the weights as the kernel decodes them
     (computed in float32, rounded to bfloat16)."""
@@ -180,6 +191,26 @@ def test_amx_rows_are_bit_identical_across_every_way_of_splitting_them_into_tile
 
 
 @needs_amx
+def test_amx_products_with_float16_scales_equal_those_with_the_same_scales_in_float32():
+    """Float16 scales and offsets widen exactly (subnormal ones too): the same decoded weights, bit for bit."""
+    generator = torch.Generator().manual_seed(6)
+    scales = torch.randint(1, 1024, (48, 4), generator=generator) / 4096
+    zeros = torch.randint(-512, 512, (48, 4), generator=generator) / 256  # offsets zeros - 8 scales: 512ths
+    signed_scales = torch.randint(1, 2048, (48, 8), generator=generator) * 2.0 ** -24  # below 2^-14: subnormal
+    packs = [k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)], [scales], [zeros]),
+             k.pack_amx_int8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
+                             signed_scales)]
+    rows = torch.randn(21, 128, generator=generator)
+    for half in packs:
+        assert half.scales.dtype == torch.float16
+        wide = k.PackedAmx(half.codes, half.scales.float(), half.bias.float())
+        for count in (1, 16, 21):
+            got = k.int4_mm(MODULE, rows[:count].contiguous(), half)
+            assert torch.equal(got, k.int4_mm(MODULE, rows[:count].contiguous(), wide)), count
+            assert got.abs().max() > 0
+
+
+@needs_amx
 def test_the_amx_products_of_no_rows_are_empty_as_the_compiled_ones():
     codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
     scales, zeros = torch.ones(32, 2), torch.zeros(32, 2)
@@ -195,6 +226,8 @@ def test_the_amx_product_refuses_operands_of_the_wrong_shape():
         k.int4_mm(MODULE, torch.randn(2, 32), packed)
     with pytest.raises(RuntimeError, match="bias"):
         k.int4_mm(MODULE, torch.randn(2, 64), k.PackedAmx(packed.codes, packed.scales, torch.empty(0)))
+    with pytest.raises(RuntimeError, match="the scale's dtype"):
+        k.int4_mm(MODULE, torch.randn(2, 64), k.PackedAmx(packed.codes, packed.scales.float(), packed.bias.half()))
 
 
 def test_amx_products_that_are_wrong_or_missing_are_reported(monkeypatch):

@@ -12,11 +12,14 @@
 // Two forms (PackedAmx in int4_kernel.py), a step being 32 inputs:
 //   4-bit (Q4_0, Q4_1, Q4_K: one pass of codes 0..15): w[n, k] = code[n, k] * scale[n, g] + bias[n, g], g = k / 32
 //     codes uint8 [1, N / 16, G, 256]: byte i of pair j (bytes 32 j..) holds code[16 b + 2 j, 32 g + i] in its low
-//     nibble and code[16 b + 2 j + 1, 32 g + i] in its high one; scale float32 [1, N / 16, G, 16]; bias float32
-//     [N / 16, G, 16]. A pair of outputs is decoded through one table of their 16 possible weights each.
+//     nibble and code[16 b + 2 j + 1, 32 g + i] in its high one; scale [1, N / 16, G, 16]; bias [N / 16, G, 16].
+//     A pair of outputs is decoded through one table of their 16 possible weights each.
 //   8-bit (Q8_0, Q6_K): signed codes, w[n, k] = code[n, k] * scale[n, k / 16]
-//     codes int8 [1, N / 16, K / 32, 512]: output n's 32 codes of a step at bytes 32 n..; scale float32
-//     [1, N / 16, K / 16, 16].
+//     codes int8 [1, N / 16, K / 32, 512]: output n's 32 codes of a step at bytes 32 n..; scale [1, N / 16, K / 16,
+//     16].
+// Scales and biases are float32, or float16 where every value is one (int4_kernel.py packs them so when that is
+// exact: the files' own float16 scales): widened exactly, they decode to the same weights, and a step reads a sixth
+// (4-bit) or a tenth (8-bit) fewer bytes. A one-token product streams its weights once, and those bytes bound it.
 //
 // Batch invariance: the tile unit computes each output element from its own row of weights and column of inputs
 // only, every element's steps accumulate in one fixed order, and the two tiles are added in one order, whatever the
@@ -62,14 +65,30 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Scales and biases of element type S (float, or uint16_t holding float16)
+template <typename S>
 struct Operands {
   const uint32_t* inputs;  // bfloat16 pairs [steps, 16, padded rows]: the right tiles
   const uint8_t* codes;
-  const float* scale;
-  const float* bias;       // nullptr for the 8-bit form
+  const S* scale;
+  const S* bias;           // nullptr for the 8-bit form
   float* out;              // [rows, N]
   int64_t rows, padded, steps, groups, blocks, n;
 };
+
+// N scales (or biases; N a multiple of 16) as float32 in memory, where the decode's broadcasts read them: float32
+// ones where they are, float16 ones widened (exactly) into `room`
+template <int N>
+inline const float* widened(const float* values, float*) {
+  return values;
+}
+
+template <int N>
+inline const float* widened(const uint16_t* values, float* room) {
+  for (int i = 0; i < N; i += 16)
+    _mm512_store_ps(room + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
+  return room;
+}
 
 inline __m512i as_words(__m512bh v) {
   __m512i words;
@@ -78,22 +97,25 @@ inline __m512i as_words(__m512bh v) {
 }
 
 // The 4-bit form: step g of a block is scale group g.
+template <typename S>
 struct FourBit {
+  using Scale = S;
   static constexpr int64_t kCodeBytes = 256;
-  static constexpr int64_t kScaleBytes = 64;  // a step's scales (and biases)
+  static constexpr int64_t kScaleBytes = 16 * sizeof(S);  // a step's scales (and biases)
   const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
-  static const float* scale_of(const Operands& o, int64_t block, int64_t step) {
+  static const S* scale_of(const Operands<S>& o, int64_t block, int64_t step) {
     return o.scale + (block * o.groups + step) * kBlock;
   }
-  static const float* bias_of(const Operands& o, int64_t block, int64_t step) {
+  static const S* bias_of(const Operands<S>& o, int64_t block, int64_t step) {
     return o.bias + (block * o.groups + step) * kBlock;
   }
 
-  void decode(const Operands& o, int64_t block, int64_t step, uint16_t* dst) const {
+  void decode(const Operands<S>& o, int64_t block, int64_t step, uint16_t* dst) const {
     const uint8_t* src = o.codes + (block * o.steps + step) * kCodeBytes;
-    const float* scale = scale_of(o, block, step);
-    const float* bias = bias_of(o, block, step);
+    alignas(64) float rooms[2][16];
+    const float* scale = widened<16>(scale_of(o, block, step), rooms[0]);
+    const float* bias = widened<16>(bias_of(o, block, step), rooms[1]);
     for (int j = 0; j < 8; ++j) {
       const __m512 even = _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
       const __m512 odd =
@@ -109,18 +131,21 @@ struct FourBit {
 };
 
 // The 8-bit form: step s of a block covers scale groups 2 s and 2 s + 1; each code converted through float32.
+template <typename S>
 struct EightBit {
+  using Scale = S;
   static constexpr int64_t kCodeBytes = 512;
-  static constexpr int64_t kScaleBytes = 128;
+  static constexpr int64_t kScaleBytes = 32 * sizeof(S);
 
-  static const float* scale_of(const Operands& o, int64_t block, int64_t step) {
+  static const S* scale_of(const Operands<S>& o, int64_t block, int64_t step) {
     return o.scale + (block * o.groups + 2 * step) * kBlock;
   }
-  static const float* bias_of(const Operands&, int64_t, int64_t) { return nullptr; }
+  static const S* bias_of(const Operands<S>&, int64_t, int64_t) { return nullptr; }
 
-  void decode(const Operands& o, int64_t block, int64_t step, uint16_t* dst) const {
+  void decode(const Operands<S>& o, int64_t block, int64_t step, uint16_t* dst) const {
     const int8_t* src = reinterpret_cast<const int8_t*>(o.codes) + (block * o.steps + step) * kCodeBytes;
-    const float* scale = scale_of(o, block, step);
+    alignas(64) float room[32];
+    const float* scale = widened<32>(scale_of(o, block, step), room);
     for (int n = 0; n < 16; ++n) {
       const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * n);
       const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))),
@@ -170,7 +195,8 @@ inline void transpose16(__m512 r[16]) {
 
 // out[c0 + j, block's 16 outputs] = even[., j] + odd[., j] (the tiles hold an output per row, an input row per
 // column): a column gathered for a few rows, the whole sum transposed in registers for more
-inline void write_rows(const Operands& o, int64_t block, int64_t c0, int64_t count, float (*even)[16],
+template <class O>
+inline void write_rows(const O& o, int64_t block, int64_t c0, int64_t count, float (*even)[16],
                        const float (*odd)[16]) {
   float* out = o.out + c0 * o.n + block * kBlock;
   if (count <= 4) {
@@ -189,8 +215,8 @@ inline void write_rows(const Operands& o, int64_t block, int64_t c0, int64_t cou
 // Rows c0 .. c0 + count of one output block (one column tile, or two: count up to 32), step i's decoded weights
 // read from tile_of(i) after decode_ahead(i) had its chance to decode steps ahead. Each column tile's even and odd
 // steps go to tiles of their own, added at the end: the same operations for a row in either form.
-template <int Tiles, class TileOf, class DecodeAhead>
-void block_rows(const Operands& o, int64_t block, int64_t c0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
+template <int Tiles, class O, class TileOf, class DecodeAhead>
+void block_rows(const O& o, int64_t block, int64_t c0, int64_t count, TileOf tile_of, DecodeAhead decode_ahead) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (Tiles == 2) {
@@ -253,7 +279,7 @@ __attribute__((always_inline)) inline void prefetch_lines(const void* start, int
 }
 
 template <class Form>
-__attribute__((always_inline)) inline void prefetch_ahead(const Operands& o, int64_t block, int64_t step) {
+__attribute__((always_inline)) inline void prefetch_ahead(const Operands<typename Form::Scale>& o, int64_t block, int64_t step) {
   prefetch_lines(o.codes + (block * o.steps + step) * Form::kCodeBytes + kPrefetchBytes, Form::kCodeBytes);
   prefetch_lines(Form::scale_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
   if (o.bias != nullptr) prefetch_lines(Form::bias_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
@@ -265,7 +291,7 @@ uint16_t* aligned_scratch(std::vector<uint16_t>& storage, int64_t elements) {
 }
 
 template <class Form>
-void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
+void blocks_of_outputs(const Operands<typename Form::Scale>& o, int64_t begin, int64_t end) {
   thread_local std::vector<uint16_t> storage;
   const Form form;
   const int64_t steps = o.steps;
@@ -296,6 +322,17 @@ void blocks_of_outputs(const Operands& o, int64_t begin, int64_t end) {
     }
   }
   _tile_release();
+}
+
+// Every block of the product, shared out between the threads, with scales and biases of type S
+template <template <typename> class Form, typename S>
+void product_blocks(const uint32_t* inputs, const torch::Tensor& codes, const torch::Tensor& scale,
+                    const torch::Tensor& bias, torch::Tensor& out, int64_t padded, int64_t steps, int64_t groups) {
+  const Operands<S> o{inputs, static_cast<const uint8_t*>(codes.data_ptr()),
+                      static_cast<const S*>(scale.data_ptr()),
+                      bias.numel() == 0 ? nullptr : static_cast<const S*>(bias.data_ptr()), out.data_ptr<float>(),
+                      out.size(0), padded, steps, groups, codes.size(1), out.size(1)};
+  at::parallel_for(0, o.blocks, 4, [&](int64_t begin, int64_t end) { blocks_of_outputs<Form<S>>(o, begin, end); });
 }
 
 // The rows as the right tiles take them: bfloat16 (round to nearest even) pairs [steps, 16, padded], pair r of
@@ -336,8 +373,8 @@ bool amx_ready() {
 }
 
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 256] (4-bit form) or int8 [1, N / 16, K / 32, 512] (8-bit
-// form); scale: float32 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: float32 [N / 16, K / 32, 16] for
-// the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
+// form); scale: float32 or float16 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: the scale's dtype
+// [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
@@ -349,12 +386,14 @@ torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, co
   const int64_t rows = x.size(0), k = x.size(1), blocks = codes.size(1), steps = codes.size(2), n = blocks * kBlock;
   const int64_t groups = eight ? 2 * steps : steps;
   TORCH_CHECK(k == steps * kStep, "K must match the codes' steps of 32 inputs");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
+  const bool half = scale.scalar_type() == torch::kHalf;
+  TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
                   scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
-              "scale: contiguous float32 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] (8-bit)");
-  TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 &&
+              "scale: contiguous float32 or float16 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] "
+              "(8-bit)");
+  TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == scale.scalar_type() &&
                                            bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
-              "bias: contiguous float32 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
+              "bias: contiguous [N / 16, K / 32, 16] of the scale's dtype (4-bit codes) or empty (8-bit codes)");
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)
 #ifdef HIERSPEC_AMX
@@ -362,13 +401,10 @@ torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, co
   const int64_t padded = (rows + cols - 1) / cols * cols;
   thread_local std::vector<uint32_t> inputs;
   prepare_inputs(x.data_ptr<float>(), rows, padded, steps, inputs);
-  const Operands o{inputs.data(), static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(),
-                   eight ? nullptr : bias.data_ptr<float>(), out.data_ptr<float>(), rows, padded, steps, groups,
-                   blocks, n};
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    if (eight) blocks_of_outputs<EightBit>(o, begin, end);
-    else blocks_of_outputs<FourBit>(o, begin, end);
-  });
+  if (eight && half) product_blocks<EightBit, uint16_t>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
+  else if (eight) product_blocks<EightBit, float>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
+  else if (half) product_blocks<FourBit, uint16_t>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
+  else product_blocks<FourBit, float>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
 #endif
   return out;
 }

@@ -125,8 +125,12 @@ class PackedAmx:
         codes: uint8 ``[1, out / 16, in / 32, 256]`` (one 4-bit pass: outputs ``2j`` and ``2j + 1`` share byte
             ``i`` of the tile's pair ``j``, low and high nibble) or int8 ``[1, out / 16, in / 32, 512]`` (8-bit
             codes, 32 per output).
-        scales: float32 ``[1, out / 16, groups, 16]`` (a group being 32 inputs for 4-bit codes, 16 for 8-bit).
-        bias: float32 ``[out / 16, in / 32, 16]`` for a 4-bit pass (its offset), empty for 8-bit codes.
+        scales: ``[1, out / 16, groups, 16]`` (a group being 32 inputs for 4-bit codes, 16 for 8-bit).
+        bias: ``[out / 16, in / 32, 16]`` for a 4-bit pass (its offset), empty for 8-bit codes.
+
+    Scales and bias are float16 where every value of both is exactly one (the files' own float16 scales: Q4_0,
+    Q4_1, Q8_0), float32 otherwise (Q4_K and Q6_K scales are products of two factors): the same weights either way,
+    in fewer bytes for the first — and a one-token product is bound by the bytes it streams.
     """
 
     codes: torch.Tensor
@@ -138,6 +142,14 @@ def _per_block(values: torch.Tensor) -> torch.Tensor:
     """Per-output, per-group values ``[out, groups]`` as ``[out / 16, groups, 16]``."""
     rows, groups = values.shape
     return values.reshape(rows // 16, 16, groups).permute(0, 2, 1).float().contiguous()
+
+
+def _stored(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``values`` (float32) as float16 when every one of them is exactly a float16 value, else as they are."""
+    narrow = tuple(v.half() for v in values)
+    if all(torch.equal(n.float(), v) for n, v in zip(narrow, values)):
+        return narrow
+    return values
 
 
 def pack_amx(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
@@ -154,8 +166,8 @@ def pack_amx(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zero
     rows, cols = pass_codes.shape
     pairs = pass_codes.reshape(rows // 16, 8, 2, cols // GROUP, GROUP).permute(0, 3, 1, 2, 4)
     packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows // 16, cols // GROUP, 256)
-    return PackedAmx(packed.unsqueeze(0).contiguous(), _per_block(scales[0]).unsqueeze(0).contiguous(),
-                     _per_block(_folded_bias(scales, zeros)))
+    scale, bias = _stored(_per_block(scales[0]).unsqueeze(0).contiguous(), _per_block(_folded_bias(scales, zeros)))
+    return PackedAmx(packed.unsqueeze(0).contiguous(), scale, bias)
 
 
 def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
@@ -163,7 +175,8 @@ def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
     rows, cols = codes.shape
     tiles = codes.reshape(rows // 16, 16, cols // GROUP, GROUP).permute(0, 2, 1, 3).reshape(rows // 16, cols // GROUP,
                                                                                            512)
-    return PackedAmx(tiles.unsqueeze(0).contiguous(), _per_block(scales).unsqueeze(0).contiguous(), torch.empty(0))
+    (scale,) = _stored(_per_block(scales).unsqueeze(0).contiguous())
+    return PackedAmx(tiles.unsqueeze(0).contiguous(), scale, torch.empty(0))
 
 
 def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx) -> torch.Tensor:
@@ -278,7 +291,8 @@ def amx_reason() -> str | None:
 @functools.lru_cache(maxsize=None)
 def _check_amx(module) -> str | None:
     """Why the AMX products are wrong (against float64 with the inputs and the decoded weights rounded to bfloat16,
-    as the tiles take them) or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``."""
+    as the tiles take them) or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``;
+    both forms, with float32 scales and with float16 ones."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 32, 96
     codes, scales, zeros = _random_passes(generator, out_features, in_features, passes=1)
@@ -286,11 +300,19 @@ def _check_amx(module) -> str | None:
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator)
     rows = torch.randn(17, in_features, generator=generator)
     inputs = rows.bfloat16().double()
-    bias = (zeros[0] - 8 * scales[0]).double()  # folded in float32, as the packing does
-    four = (codes[0].double() * scales[0].double().repeat_interleave(GROUP, 1) + bias.repeat_interleave(GROUP, 1))
-    eight = signed.double() * signed_scales.double().repeat_interleave(16, 1)
-    cases = ((pack_amx(codes, scales, zeros), inputs @ four.float().bfloat16().double().t()),
-             (pack_amx_int8(signed, signed_scales), inputs @ eight.float().bfloat16().double().t()))
+    # eighths and 64ths: scales and folded offsets that float16 holds exactly (packed as float16)
+    half_scales = torch.randint(1, 64, scales[0].shape, generator=generator) / 64
+    half_zeros = torch.randint(-64, 64, zeros[0].shape, generator=generator) / 8
+    cases = []
+    for scale, zero in ((scales[0], zeros[0]), (half_scales, half_zeros)):
+        bias = (zero - 8 * scale).double()  # folded in float32, as the packing does
+        four = codes[0].double() * scale.double().repeat_interleave(GROUP, 1) + bias.repeat_interleave(GROUP, 1)
+        cases.append((pack_amx(codes, [scale], [zero]), inputs @ four.float().bfloat16().double().t()))
+    for scale in (signed_scales, signed_scales.half().float()):
+        eight = signed.double() * scale.double().repeat_interleave(16, 1)
+        cases.append((pack_amx_int8(signed, scale), inputs @ eight.float().bfloat16().double().t()))
+    if [packed.scales.dtype for packed, _ in cases] != [torch.float32, torch.float16] * 2:
+        return "the AMX packing does not store exact float16 scales as float16"
     for packed, expected in cases:
         try:
             whole = int4_mm(module, rows, packed)
