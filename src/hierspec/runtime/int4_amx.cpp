@@ -19,7 +19,8 @@
 //     16].
 // Scales and biases are float32, or float16 where every value is one (int4_kernel.py packs them so when that is
 // exact: the files' own float16 scales): widened exactly, they decode to the same weights, and a step reads a sixth
-// (4-bit) or a tenth (8-bit) fewer bytes. A one-token product streams its weights once, and those bytes bound it.
+// (4-bit) or a tenth (8-bit) fewer bytes — less memory held; on an Intel Xeon a forward gained only ~2 %, its
+// products' stream being bound by more than its bytes (BENCHMARKS.md, "Twenty-second session").
 //
 // Batch invariance: the tile unit computes each output element from its own row of weights and column of inputs
 // only, every element's steps accumulate in one fixed order, and the two tiles are added in one order, whatever the
@@ -266,7 +267,7 @@ constexpr int64_t kAhead = 4;
 constexpr int64_t kSlots = 8;
 
 // The codes, scales and biases are read once per forward, block after block: each step asks for the lines it will
-// read 4-8 steps later (codes 2 KB ahead, scales and biases 512 bytes), so memory is read while the tiles are
+// read 4-8 steps later (codes 2 KB ahead, scales and biases as many steps ahead), so memory is read while the tiles are
 // decoded. Without it the 1-token products of a SmolLM2 forward streamed at ~9 GB/s where the LM head alone reaches
 // ~30 (BENCHMARKS.md, "Seventeenth session"); with this kernel 2 KB ahead measured better than 1, 4 and 8 KB.
 // Prefetching past a tensor's end is harmless. The helpers are forced inline: gcc 12 otherwise finds them free of
@@ -279,7 +280,8 @@ __attribute__((always_inline)) inline void prefetch_lines(const void* start, int
 }
 
 template <class Form>
-__attribute__((always_inline)) inline void prefetch_ahead(const Operands<typename Form::Scale>& o, int64_t block, int64_t step) {
+__attribute__((always_inline)) inline void prefetch_ahead(const Operands<typename Form::Scale>& o, int64_t block,
+                                                          int64_t step) {
   prefetch_lines(o.codes + (block * o.steps + step) * Form::kCodeBytes + kPrefetchBytes, Form::kCodeBytes);
   prefetch_lines(Form::scale_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
   if (o.bias != nullptr) prefetch_lines(Form::bias_of(o, block, step) + kPrefetchBytes / 16, Form::kScaleBytes);
