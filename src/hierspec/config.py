@@ -126,7 +126,7 @@ class ModelConfig:
             those that work here for each weight form, timed once per machine and thread count and kept),
             ``"compiled"`` (hierspec's own, built for this CPU; float32 rows), ``"torch"`` (PyTorch's weight-only
             int4 kernel; bfloat16 rows) or ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
-            bfloat16 rows, float32 scales; 16 rows for ~1.4x the time of one).
+            bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do

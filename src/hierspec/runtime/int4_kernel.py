@@ -130,7 +130,8 @@ class PackedAmx:
 
     Scales and bias are float16 where every value of both is exactly one (the files' own float16 scales: Q4_0,
     Q4_1, Q8_0), float32 otherwise (Q4_K and Q6_K scales are products of two factors): the same weights either way,
-    in fewer bytes for the first — and a one-token product is bound by the bytes it streams.
+    in fewer bytes for the first (less memory held; a forward measured only ~2 % faster on an Intel Xeon, whose
+    products are not bound by their bytes alone: BENCHMARKS.md, "Twenty-second session").
     """
 
     codes: torch.Tensor

@@ -261,9 +261,9 @@ class Int4Projection:
 
     A stack runs on one kernel for every row count (see :class:`Int4Kernels` and :func:`resolve_kernel`): the
     compiled one (:mod:`~hierspec.runtime.int4_kernel`: float32 rows and scales; a ``Q8_0``/``Q6_K`` weight as signed
-    8-bit codes with a scale per 16 inputs), the AMX one (bfloat16 rows, float32 scales; ``Q8_0``/``Q6_K`` as 8-bit
-    codes too) or PyTorch's (bfloat16 rows and scales, one call per 4-bit pass). Call it like
-    :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
+    8-bit codes with a scale per 16 inputs), the AMX one (bfloat16 rows, float32 scales — float16 where exact;
+    ``Q8_0``/``Q6_K`` as 8-bit codes too) or PyTorch's (bfloat16 rows and scales, one call per 4-bit pass). Call it
+    like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
     """
 
     packed = True
