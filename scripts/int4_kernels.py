@@ -52,7 +52,7 @@ def _median_seconds(call, repeats: int) -> float:
 
 def _kernels() -> list[str]:
     """The kernels that run here."""
-    return [name for name in ("torch", "compiled", "amx") if q.resolve_kernel(name)[0] is not None]
+    return [name for name in ("torch", "compiled", "amx", "bf16") if q.resolve_kernel(name)[0] is not None]
 
 
 def products() -> None:
@@ -154,7 +154,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention"])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch", "amx"])
+    parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch", "amx", "bf16"])
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

@@ -98,6 +98,14 @@ def test_the_kernel_refuses_inputs_of_the_wrong_shape_or_dtype():
 
 AMX_REASON = k.amx_reason()
 needs_amx = pytest.mark.skipif(AMX_REASON is not None, reason=str(AMX_REASON))
+BF16_REASON = k.bf16_reason()
+needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
+#: the bfloat16 products, each with its layouts of 4-bit and 8-bit codes and its packed weights' class: the AMX
+#: tiles and the AVX512-BF16 dot products decode the same weights and are held to the same tests
+BFLOAT16_KERNELS = [
+    pytest.param((k.pack_amx, k.pack_amx_int8, k.PackedAmx), marks=needs_amx, id="amx"),
+    pytest.param((k.pack_bf16, k.pack_bf16_int8, k.PackedBf16), marks=needs_bf16, id="bf16"),
+]
 
 
 def test_amx_packing_puts_two_outputs_in_one_byte_and_32_codes_of_an_output_together():
@@ -119,6 +127,22 @@ def test_amx_packing_puts_two_outputs_in_one_byte_and_32_codes_of_an_output_toge
         k.pack_amx([codes, codes], [torch.ones(16, 2)] * 2, [torch.zeros(16, 2)] * 2)
 
 
+def test_the_avx512_bf16_packing_holds_the_amx_bytes_with_a_blocks_pairs_one_after_another():
+    generator = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)
+    scales, zeros = [torch.rand(32, 3, generator=generator)], [torch.randn(32, 3, generator=generator)]
+    tiles, pairs = k.pack_amx([codes], scales, zeros), k.pack_bf16([codes], scales, zeros)
+    assert pairs.codes.shape == (1, 2, 8, 3, 32)
+    for block, pair, step in ((0, 0, 0), (1, 5, 2), (0, 7, 1)):
+        assert torch.equal(pairs.codes[0, block, pair, step], tiles.codes[0, block, step, 32 * pair:32 * pair + 32])
+    assert torch.equal(pairs.scales, tiles.scales) and torch.equal(pairs.bias, tiles.bias)
+    signed = torch.randint(-128, 128, (16, 64), generator=generator, dtype=torch.int8)
+    eight, eight_tiles = k.pack_bf16_int8(signed, torch.ones(16, 4)), k.pack_amx_int8(signed, torch.ones(16, 4))
+    assert eight.codes.shape == (1, 1, 8, 2, 64) and eight.codes.dtype == torch.int8
+    assert torch.equal(eight.codes[0, 0, 3, 1], eight_tiles.codes[0, 0, 1, 192:256])  # outputs 6 and 7, step 1
+    assert torch.equal(eight.codes[0, 0, 3, 1, :32], signed[6, 32:])
+
+
 def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_one():
     codes = torch.zeros(16, 64, dtype=torch.uint8)
     exact = k.pack_amx([codes], [torch.full((16, 2), 0.375)], [torch.full((16, 2), 5.0)])  # bias 5 - 8 * 0.375 = 2
@@ -130,126 +154,140 @@ def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_o
     assert k.pack_amx_int8(signed, torch.full((16, 2), 2.0 ** -20)).scales.dtype == torch.float16  # a subnormal
 
 
-def _amx_expected(rows, weight):
-    """The AMX products' model in float64: the rows rounded to bfloat16 times the weights as the kernel decodes them
-    (computed in float32, rounded to bfloat16)."""
+def _bfloat16_expected(rows, weight):
+    """The bfloat16 products' model in float64: the rows rounded to bfloat16 times the weights as the kernels decode
+    them (computed in float32, rounded to bfloat16)."""
     return rows.bfloat16().double() @ weight.float().bfloat16().double().t()
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
 @pytest.mark.parametrize(("out_features", "in_features", "rows"),
                          [(16, 32, 1), (48, 96, 9), (960, 576, 17), (144, 1536, 40)])
-def test_amx_products_equal_their_model_in_float64(out_features, in_features, rows):
+def test_bfloat16_products_equal_their_model_in_float64(kernel, out_features, in_features, rows):
+    pack4, pack8, _ = kernel
     generator = torch.Generator().manual_seed(2)
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
     scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
     zeros = torch.randn(out_features, in_features // 32, generator=generator) * 0.1
     x = torch.randn(rows, in_features, generator=generator)
-    got = k.int4_mm(MODULE, x, k.pack_amx([codes], [scales], [zeros])).double()
+    got = k.int4_mm(MODULE, x, pack4([codes], [scales], [zeros])).double()
     bias = (zeros - 8 * scales).double()  # folded in float32, as the packing does
     weight = codes.double() * scales.double().repeat_interleave(32, 1) + bias.repeat_interleave(32, 1)
-    expected = _amx_expected(x, weight)
+    expected = _bfloat16_expected(x, weight)
     assert got.shape == (rows, out_features)
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator) * 0.01
-    got = k.int4_mm(MODULE, x, k.pack_amx_int8(signed, signed_scales)).double()
-    expected = _amx_expected(x, signed.double() * signed_scales.double().repeat_interleave(16, 1))
+    got = k.int4_mm(MODULE, x, pack8(signed, signed_scales)).double()
+    expected = _bfloat16_expected(x, signed.double() * signed_scales.double().repeat_interleave(16, 1))
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
 @settings(max_examples=25, deadline=None)
 @given(st.data())
-def test_an_amx_rows_product_is_bit_identical_whatever_rows_are_multiplied_with_it(data):
-    """One tile (up to 16 rows), several tiles (a prompt): every row's operations are the same."""
+def test_a_bfloat16_products_rows_are_bit_identical_whatever_rows_are_multiplied_with_them(kernel, data):
+    """One tile or pass (up to 16 or 8 rows), several (a prompt): every row's operations are the same."""
+    pack4, pack8, _ = kernel
     generator = torch.Generator().manual_seed(3)
     weight, _ = _random_weight(48, 128, 2, seed=3)
-    amx = k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)],
-                     [weight.scales[0]], [torch.ones(48, 4)])
-    eight = k.pack_amx_int8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
-                            torch.rand(48, 8, generator=generator))
+    four = pack4([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)],
+                 [weight.scales[0]], [torch.ones(48, 4)])
+    eight = pack8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
+                  torch.rand(48, 8, generator=generator))
     rows = torch.randn(37, 128, generator=torch.Generator().manual_seed(4))
-    _assert_row_subsets_equal(data, data.draw(st.sampled_from([amx, eight])), rows)
+    _assert_row_subsets_equal(data, data.draw(st.sampled_from([four, eight])), rows)
 
 
-@needs_amx
-def test_amx_rows_are_bit_identical_across_every_way_of_splitting_them_into_tiles():
-    """One column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a last
-    single tile): the rows' products never change."""
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+def test_bfloat16_products_rows_are_bit_identical_across_every_way_of_splitting_them(kernel):
+    """AMX: one column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a
+    last single tile); AVX512-BF16: one pass decoding as it goes (up to 8 rows), several passes over the decoded
+    steps (9 on, the last pass of 1 to 8 rows). The rows' products never change."""
+    pack4, pack8, _ = kernel
     generator = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)
-    packs = [k.pack_amx([codes], [torch.rand(32, 3, generator=generator)], [torch.randn(32, 3, generator=generator)]),
-             k.pack_amx_int8(torch.randint(-128, 128, (32, 96), generator=generator, dtype=torch.int8),
-                             torch.rand(32, 6, generator=generator))]
+    packs = [pack4([codes], [torch.rand(32, 3, generator=generator)], [torch.randn(32, 3, generator=generator)]),
+             pack8(torch.randint(-128, 128, (32, 96), generator=generator, dtype=torch.int8),
+                   torch.rand(32, 6, generator=generator))]
     rows = torch.randn(70, 96, generator=generator)
     for packed in packs:
         whole = k.int4_mm(MODULE, rows, packed)
-        for count in (1, 4, 5, 16, 17, 31, 32, 33, 48, 49, 64, 65):
+        for count in (1, 2, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65):
             assert torch.equal(k.int4_mm(MODULE, rows[:count].contiguous(), packed), whole[:count]), count
             assert torch.equal(k.int4_mm(MODULE, rows[70 - count:].contiguous(), packed), whole[70 - count:]), count
 
 
-@needs_amx
-def test_amx_products_with_float16_scales_equal_those_with_the_same_scales_in_float32():
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+def test_bfloat16_products_with_float16_scales_equal_those_with_the_same_scales_in_float32(kernel):
     """Float16 scales and offsets widen exactly (subnormal ones too): the same decoded weights, bit for bit."""
+    pack4, pack8, packed_class = kernel
     generator = torch.Generator().manual_seed(6)
     scales = torch.randint(1, 1024, (48, 4), generator=generator) / 4096
     zeros = torch.randint(-512, 512, (48, 4), generator=generator) / 256  # offsets zeros - 8 scales: 512ths
     signed_scales = torch.randint(1, 2048, (48, 8), generator=generator) * 2.0 ** -24  # below 2^-14: subnormal
-    packs = [k.pack_amx([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)], [scales], [zeros]),
-             k.pack_amx_int8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8),
-                             signed_scales)]
+    packs = [pack4([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)], [scales], [zeros]),
+             pack8(torch.randint(-128, 128, (48, 128), generator=generator, dtype=torch.int8), signed_scales)]
     rows = torch.randn(21, 128, generator=generator)
     for half in packs:
         assert half.scales.dtype == torch.float16
-        wide = k.PackedAmx(half.codes, half.scales.float(), half.bias.float())
+        wide = packed_class(half.codes, half.scales.float(), half.bias.float())
         for count in (1, 16, 21):
             got = k.int4_mm(MODULE, rows[:count].contiguous(), half)
             assert torch.equal(got, k.int4_mm(MODULE, rows[:count].contiguous(), wide)), count
             assert got.abs().max() > 0
 
 
-@needs_amx
-def test_the_amx_products_of_no_rows_are_empty_as_the_compiled_ones():
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+def test_the_bfloat16_products_of_no_rows_are_empty_as_the_compiled_ones(kernel):
+    pack4, pack8, _ = kernel
     codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
     scales, zeros = torch.ones(32, 2), torch.zeros(32, 2)
-    for packed in (k.pack_amx([codes], [scales], [zeros]), k.pack_amx_int8(codes.to(torch.int8), torch.ones(32, 4)),
+    for packed in (pack4([codes], [scales], [zeros]), pack8(codes.to(torch.int8), torch.ones(32, 4)),
                    k.pack_passes([codes], [scales], [zeros])):
         assert k.int4_mm(MODULE, torch.zeros(0, 64), packed).shape == (0, 32)
 
 
-@needs_amx
-def test_the_amx_product_refuses_operands_of_the_wrong_shape():
-    packed = k.pack_amx([torch.zeros(16, 64, dtype=torch.uint8)], [torch.ones(16, 2)], [torch.zeros(16, 2)])
+@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+def test_the_bfloat16_products_refuse_operands_of_the_wrong_shape(kernel):
+    pack4, _, packed_class = kernel
+    packed = pack4([torch.zeros(16, 64, dtype=torch.uint8)], [torch.ones(16, 2)], [torch.zeros(16, 2)])
     with pytest.raises(RuntimeError, match="K must match"):
         k.int4_mm(MODULE, torch.randn(2, 32), packed)
     with pytest.raises(RuntimeError, match="bias"):
-        k.int4_mm(MODULE, torch.randn(2, 64), k.PackedAmx(packed.codes, packed.scales, torch.empty(0)))
+        k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes, packed.scales, torch.empty(0)))
     with pytest.raises(RuntimeError, match="the scale's dtype"):
-        k.int4_mm(MODULE, torch.randn(2, 64), k.PackedAmx(packed.codes, packed.scales.float(), packed.bias.half()))
+        k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes, packed.scales.float(), packed.bias.half()))
+    with pytest.raises(RuntimeError, match="codes: contiguous"):
+        k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes[..., :16], packed.scales, packed.bias))
 
 
-def test_amx_products_that_are_wrong_or_missing_are_reported(monkeypatch):
+def test_bfloat16_products_that_are_wrong_or_missing_are_reported(monkeypatch):
     class NoTiles:
         @staticmethod
         def amx_ready():
             return False
 
-    class Wrong(NoTiles):
         @staticmethod
-        def amx_ready():
-            return True
+        def bf16_ready():
+            return False
 
+    class Wrong(NoTiles):
         @staticmethod
         def int4_amx_mm(rows, codes, scales, bias):
             return torch.zeros(rows.shape[0], codes.shape[1] * 16)
 
+        @staticmethod
+        def int4_bf16_mm(rows, codes, scales, bias):
+            return torch.zeros(rows.shape[0], codes.shape[1] * 16)
+
     assert k._check_amx(Wrong()) == "the AMX products compute wrong products"
+    assert k._check_bf16(Wrong()) == "the AVX512-BF16 products compute wrong products"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (NoTiles(), None))
     assert k.amx_reason() == "this CPU (or its operating system) offers no AMX-BF16 tiles"
+    assert k.bf16_reason() == "this CPU has no AVX512_BF16 instructions"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (None, "no compiler"))
-    assert k.amx_reason() == "no compiler"
+    assert k.amx_reason() == k.bf16_reason() == "no compiler"
 
 
 def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
@@ -266,6 +304,7 @@ def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
     ({"torch": [1.0, 2.0], "compiled": [2.0, 1.0]}, "torch"),  # a tie keeps the kernel that needs no compiler
     ({"compiled": [1.0, 1.0], "torch": [1.0, 1.5]}, "compiled"),
     ({"torch": [1.0, 2.0], "compiled": [0.5, 2.4], "amx": [0.6, 0.7]}, "amx"),
+    ({"torch": [1.0, 2.0], "compiled": [0.5, 2.4], "bf16": [0.7, 1.0]}, "bf16"),
 ])
 def test_the_automatic_choice_takes_the_faster_kernel_on_hand_made_timings(timings, expected):
     assert k.choose_kernel(timings) == expected

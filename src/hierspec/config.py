@@ -125,8 +125,10 @@ class ModelConfig:
         int4_kernel: which kernel multiplies a GGUF file's codes on the int4 path: ``"auto"`` (the fastest of
             those that work here for each weight form, timed once per machine and thread count and kept),
             ``"compiled"`` (hierspec's own, built for this CPU; float32 rows), ``"torch"`` (PyTorch's weight-only
-            int4 kernel; bfloat16 rows) or ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
-            bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one).
+            int4 kernel; bfloat16 rows), ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
+            bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one) or
+            ``"bf16"`` (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the AMX products' weights,
+            decoded once for up to 8 rows).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
@@ -147,8 +149,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.kv_cache not in {"auto", "model", "float16"}:
             raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use auto, model or float16")
-        if self.int4_kernel not in {"auto", "compiled", "torch", "amx"}:
-            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch or amx")
+        if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16"}:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch, amx or bf16")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.attention not in {"auto", "sdpa", "exact"}:

@@ -9,17 +9,8 @@
 // row's products were scaled per group in vector registers: a 16-row product cost ~1.6x a one-row one in a forward;
 // BENCHMARKS.md, "Eighteenth session".)
 //
-// Two forms (PackedAmx in int4_kernel.py), a step being 32 inputs:
-//   4-bit (Q4_0, Q4_1, Q4_K: one pass of codes 0..15): w[n, k] = code[n, k] * scale[n, g] + bias[n, g], g = k / 32
-//     codes uint8 [1, N / 16, G, 256]: byte i of pair j (bytes 32 j..) holds code[16 b + 2 j, 32 g + i] in its low
-//     nibble and code[16 b + 2 j + 1, 32 g + i] in its high one; scale [1, N / 16, G, 16]; bias [N / 16, G, 16].
-//     A pair of outputs is decoded through one table of their 16 possible weights each.
-//   8-bit (Q8_0, Q6_K): signed codes, w[n, k] = code[n, k] * scale[n, k / 16]
-//     codes int8 [1, N / 16, K / 32, 512]: output n's 32 codes of a step at bytes 32 n..; scale [1, N / 16, K / 16,
-//     16].
-// Scales and biases are float32, or float16 where every value is one (int4_kernel.py packs them so when that is
-// exact: the files' own float16 scales): widened exactly, they decode to the same weights, and a step reads a sixth
-// (4-bit) or a tenth (8-bit) fewer bytes — less memory held; on an Intel Xeon a forward gained only ~2 %, its
+// The layout, its two forms (4-bit and 8-bit codes) and their decoding are int4_tiles.h's, shared with the
+// AVX512-BF16 dot products (int4_bf16.cpp); on an Intel Xeon float16 scales gained a forward only ~2 %, its
 // products' stream being bound by more than its bytes (BENCHMARKS.md, "Twenty-second session").
 //
 // Batch invariance: the tile unit computes each output element from its own row of weights and column of inputs
@@ -39,16 +30,27 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include "int4_tiles.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(HIERSPEC_BF16_TILES)
 #define HIERSPEC_AMX 1
 #endif
 
 namespace {
 
-constexpr int64_t kBlock = 16;                // outputs per block: the left tile's rows
-constexpr int64_t kStep = 32;                 // inputs per step: a left tile row of bfloat16
-constexpr int64_t kDecoded = kBlock * kStep;  // bfloat16 weights of a decoded tile
-constexpr int64_t kTileCols = 16;             // rows of inputs per tile product: the right tile's columns
+using hierspec_tiles::kBlock;
+using hierspec_tiles::kDecoded;
+using hierspec_tiles::kStep;
+using hierspec_tiles::checked_tiles;
+using hierspec_tiles::TileShape;
+#ifdef HIERSPEC_AMX
+using hierspec_tiles::as_words;
+using hierspec_tiles::EightBit;
+using hierspec_tiles::FourBit;
+using hierspec_tiles::Tiles;
+#endif
+
+constexpr int64_t kTileCols = 16;  // rows of inputs per tile product: the right tile's columns
 
 #ifdef HIERSPEC_AMX
 
@@ -66,96 +68,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Scales and biases of element type S (float, or uint16_t holding float16)
+// A product's weights with the rows as the right tiles take them (prepare_inputs) and its output
 template <typename S>
-struct Operands {
+struct Operands : Tiles<S> {
   const uint32_t* inputs;  // bfloat16 pairs [steps, 16, padded rows]: the right tiles
-  const uint8_t* codes;
-  const S* scale;
-  const S* bias;           // nullptr for the 8-bit form
   float* out;              // [rows, N]
-  int64_t rows, padded, steps, groups, blocks, n;
-};
-
-// N scales (or biases; N a multiple of 16) as float32 in memory, where the decode's broadcasts read them: float32
-// ones where they are, float16 ones widened (exactly) into `room`
-template <int N>
-inline const float* widened(const float* values, float*) {
-  return values;
-}
-
-template <int N>
-inline const float* widened(const uint16_t* values, float* room) {
-  for (int i = 0; i < N; i += 16)
-    _mm512_store_ps(room + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
-  return room;
-}
-
-inline __m512i as_words(__m512bh v) {
-  __m512i words;
-  std::memcpy(&words, &v, sizeof words);
-  return words;
-}
-
-// The 4-bit form: step g of a block is scale group g.
-template <typename S>
-struct FourBit {
-  using Scale = S;
-  static constexpr int64_t kCodeBytes = 256;
-  static constexpr int64_t kScaleBytes = 16 * sizeof(S);  // a step's scales (and biases)
-  const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-
-  static const S* scale_of(const Operands<S>& o, int64_t block, int64_t step) {
-    return o.scale + (block * o.groups + step) * kBlock;
-  }
-  static const S* bias_of(const Operands<S>& o, int64_t block, int64_t step) {
-    return o.bias + (block * o.groups + step) * kBlock;
-  }
-
-  void decode(const Operands<S>& o, int64_t block, int64_t step, uint16_t* dst) const {
-    const uint8_t* src = o.codes + (block * o.steps + step) * kCodeBytes;
-    alignas(64) float rooms[2][16];
-    const float* scale = widened<16>(scale_of(o, block, step), rooms[0]);
-    const float* bias = widened<16>(bias_of(o, block, step), rooms[1]);
-    for (int j = 0; j < 8; ++j) {
-      const __m512 even = _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
-      const __m512 odd =
-          _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j + 1]), _mm512_set1_ps(bias[2 * j + 1]));
-      const __m512i table = as_words(_mm512_cvtne2ps_pbh(odd, even));  // entries 0..15 even, 16..31 odd
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)));
-      const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
-      const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(16));
-      _mm512_store_si512(dst + 64 * j, _mm512_permutexvar_epi16(low, table));
-      _mm512_store_si512(dst + 64 * j + 32, _mm512_permutexvar_epi16(high, table));
-    }
-  }
-};
-
-// The 8-bit form: step s of a block covers scale groups 2 s and 2 s + 1; each code converted through float32.
-template <typename S>
-struct EightBit {
-  using Scale = S;
-  static constexpr int64_t kCodeBytes = 512;
-  static constexpr int64_t kScaleBytes = 32 * sizeof(S);
-
-  static const S* scale_of(const Operands<S>& o, int64_t block, int64_t step) {
-    return o.scale + (block * o.groups + 2 * step) * kBlock;
-  }
-  static const S* bias_of(const Operands<S>&, int64_t, int64_t) { return nullptr; }
-
-  void decode(const Operands<S>& o, int64_t block, int64_t step, uint16_t* dst) const {
-    const int8_t* src = reinterpret_cast<const int8_t*>(o.codes) + (block * o.steps + step) * kCodeBytes;
-    alignas(64) float room[32];
-    const float* scale = widened<32>(scale_of(o, block, step), room);
-    for (int n = 0; n < 16; ++n) {
-      const __m128i* row = reinterpret_cast<const __m128i*>(src + 32 * n);
-      const __m512 low = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))),
-                                       _mm512_set1_ps(scale[n]));
-      const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))),
-                                        _mm512_set1_ps(scale[kBlock + n]));
-      _mm512_store_si512(dst + 32 * n, as_words(_mm512_cvtne2ps_pbh(high, low)));
-    }
-  }
+  int64_t rows, padded;
 };
 
 // tiles 0, 1: products [16 outputs x cols float32] of a column tile's even and odd steps (2, 3: a second column
@@ -330,10 +248,10 @@ void blocks_of_outputs(const Operands<typename Form::Scale>& o, int64_t begin, i
 template <template <typename> class Form, typename S>
 void product_blocks(const uint32_t* inputs, const torch::Tensor& codes, const torch::Tensor& scale,
                     const torch::Tensor& bias, torch::Tensor& out, int64_t padded, int64_t steps, int64_t groups) {
-  const Operands<S> o{inputs, static_cast<const uint8_t*>(codes.data_ptr()),
-                      static_cast<const S*>(scale.data_ptr()),
-                      bias.numel() == 0 ? nullptr : static_cast<const S*>(bias.data_ptr()), out.data_ptr<float>(),
-                      out.size(0), padded, steps, groups, codes.size(1), out.size(1)};
+  const Tiles<S> weights{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
+                         bias.numel() == 0 ? nullptr : static_cast<const S*>(bias.data_ptr()), steps, groups,
+                         codes.size(1), out.size(1)};
+  const Operands<S> o{weights, inputs, out.data_ptr<float>(), out.size(0), padded};
   at::parallel_for(0, o.blocks, 4, [&](int64_t begin, int64_t end) { blocks_of_outputs<Form<S>>(o, begin, end); });
 }
 
@@ -380,22 +298,9 @@ bool amx_ready() {
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const bool eight = codes.scalar_type() == torch::kInt8;
-  TORCH_CHECK(codes.dim() == 4 && (eight || codes.scalar_type() == torch::kUInt8) && codes.is_contiguous() &&
-                  codes.size(0) == 1 && codes.size(3) == (eight ? 512 : 256),
-              "codes: contiguous uint8 [1, N / 16, K / 32, 256] or int8 [1, N / 16, K / 32, 512]");
-  const int64_t rows = x.size(0), k = x.size(1), blocks = codes.size(1), steps = codes.size(2), n = blocks * kBlock;
-  const int64_t groups = eight ? 2 * steps : steps;
-  TORCH_CHECK(k == steps * kStep, "K must match the codes' steps of 32 inputs");
-  const bool half = scale.scalar_type() == torch::kHalf;
-  TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
-                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
-              "scale: contiguous float32 or float16 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] "
-              "(8-bit)");
-  TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == scale.scalar_type() &&
-                                           bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
-              "bias: contiguous [N / 16, K / 32, 16] of the scale's dtype (4-bit codes) or empty (8-bit codes)");
+  const TileShape shape = checked_tiles(x, codes, scale, bias, false);
+  const int64_t rows = x.size(0), steps = shape.steps, groups = shape.groups, n = shape.blocks * kBlock;
+  const bool eight = shape.eight, half = shape.half;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)
 #ifdef HIERSPEC_AMX

@@ -249,12 +249,18 @@ torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
 bool amx_ready();
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias);
+// int4_bf16.cpp
+bool bf16_ready();
+torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
   m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
   m.def("amx_ready", &amx_ready, "whether the AMX products can run in this build and process");
   m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
+  m.def("bf16_ready", &bf16_ready, "whether the AVX512-BF16 products can run in this build");
+  m.def("int4_bf16_mm", &int4_bf16_mm, "4-bit or 8-bit product of float32 rows by AVX512-BF16 dot products");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");

@@ -1,5 +1,6 @@
-"""hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``) and the int4 decoder's layer halves
-around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between those products and PyTorch's.
+"""hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``, ``int4_bf16.cpp``) and the int4
+decoder's layer halves around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between those
+products and PyTorch's.
 
 PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams a GGUF file's 4-bit weights at
 about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
@@ -9,10 +10,13 @@ set of threads competing for the two cores); a second product takes ``Q8_0``/``Q
 codes with a scale per 16 inputs (:class:`PackedInt8`). Both cost a multiply-add per weight per row, so 16 rows cost
 several times one. On CPUs with AMX-BF16 tiles (Intel Xeon from Sapphire Rapids on) the AMX products
 (:class:`PackedAmx`) decode each tile of codes once to bfloat16 and multiply it with up to 16 rows (rounded to
-bfloat16) in one tile instruction: a 16-row product takes ~1.4x a one-row one's time. All three are
-batch-invariant by construction (see the sources' headers), so a tree row's products equal the chain's. The layer
-halves (``rms_norm``, ``attention_inputs``, ``mlp_block``) run a layer's small operations from C++, with any
-kernel's products (:mod:`~hierspec.runtime.decoder`).
+bfloat16) in one tile instruction: a 16-row product takes ~1.4x a one-row one's time. On CPUs with AVX512_BF16 but
+no AMX (AMD Zen 4) the AVX512-BF16 products (:class:`PackedBf16`) decode the same weights once for all rows and
+multiply them by dot-product instructions, 8 rows a pass: a one-row product ~1.4x faster than PyTorch's kernel, a
+16-row one ~1.7x (BENCHMARKS.md, "Twenty-third session"). All four are batch-invariant by construction (see the
+sources' headers), so a tree row's products equal the chain's. The layer halves (``rms_norm``,
+``attention_inputs``, ``mlp_block``) run a layer's small operations from C++, with any kernel's products
+(:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
 about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
@@ -40,28 +44,31 @@ from hierspec.storage import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
-#: AMX products, the compiled layers' exact attention, the verifier's row top-k and the cache's path move
+#: AMX and AVX512-BF16 products, the compiled layers' exact attention, the verifier's row top-k and the cache's path
+#: move
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
-           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_attention.cpp"),
+           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_bf16.cpp"),
+           Path(__file__).with_name("int4_attention.cpp"),
            Path(__file__).with_name("row_topk.cpp"), Path(__file__).with_name("cache_keep.cpp"))
 #: included by the sources: part of what a build depends on
-HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"))
+HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"),
+           Path(__file__).with_name("int4_tiles.h"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 #: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
-KERNEL_CHOICES = ("auto", "compiled", "torch", "amx")
+KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16")
 #: the kernels ``auto`` chooses among (each where it runs)
-KERNELS = ("torch", "compiled", "amx")
+KERNELS = ("torch", "compiled", "amx", "bf16")
 #: row counts the automatic choice times each kernel at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
 #: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
-#: 3: the AMX products among the candidates); a file of another version is timed again
-CHOICE_VERSION = 3
+#: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too); a file of another version is timed again
+CHOICE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -180,10 +187,41 @@ def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
     return PackedAmx(tiles.unsqueeze(0).contiguous(), scale, torch.empty(0))
 
 
-def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedBf16:
+    """A weight for the AVX512-BF16 products (``int4_bf16.cpp``): :class:`PackedAmx`'s weights, decoded the same,
+    with each block's pairs of outputs one after another — codes ``[1, out / 16, 8, in / 32, 32]`` (4-bit) or
+    ``[…, 64]`` (8-bit), scales and bias as :class:`PackedAmx`'s."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+def pack_bf16(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
+              ) -> PackedBf16:
+    """The AVX512-BF16 layout of one 4-bit pass (as :func:`pack_amx` takes it)."""
+    return _pairs_in_turn(pack_amx(codes, scales, zeros))
+
+
+def pack_bf16_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedBf16:
+    """The AVX512-BF16 layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs."""
+    return _pairs_in_turn(pack_amx_int8(codes, scales))
+
+
+def _pairs_in_turn(tiles: PackedAmx) -> PackedBf16:
+    """The AMX layout's codes ``[1, blocks, steps, bytes]`` as ``[1, blocks, 8 pairs, steps, bytes / 8]``."""
+    _, blocks, steps, size = tiles.codes.shape
+    codes = tiles.codes.reshape(1, blocks, steps, 8, size // 8).permute(0, 1, 3, 2, 4).contiguous()
+    return PackedBf16(codes, tiles.scales, tiles.bias)
+
+
+def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx | PackedBf16) -> torch.Tensor:
     """``rows`` (float32 ``[m, in]``) times the packed weight, float32 ``[m, out]``."""
     if isinstance(weight, PackedInt8):
         return kernel.int8_mm(rows, weight.codes, weight.scales)
+    if isinstance(weight, PackedBf16):
+        return kernel.int4_bf16_mm(rows, weight.codes, weight.scales, weight.bias)
     if isinstance(weight, PackedAmx):
         return kernel.int4_amx_mm(rows, weight.codes, weight.scales, weight.bias)
     return kernel.int4_mm(rows, weight.codes, weight.scales, weight.bias)
@@ -289,11 +327,33 @@ def amx_reason() -> str | None:
     return _check_amx(module)
 
 
+def bf16_reason() -> str | None:
+    """Why the AVX512-BF16 products (``int4_bf16.cpp``) cannot run here — no compiled kernel, a CPU without
+    AVX512_BF16, wrong products — or ``None`` when they can."""
+    module, reason = compiled_kernel()
+    if module is None:
+        return reason
+    if not module.bf16_ready():
+        return "this CPU has no AVX512_BF16 instructions"
+    return _check_bf16(module)
+
+
 @functools.lru_cache(maxsize=None)
 def _check_amx(module) -> str | None:
-    """Why the AMX products are wrong (against float64 with the inputs and the decoded weights rounded to bfloat16,
-    as the tiles take them) or depend on the rows beside them (1, 5 and 17 rows: one tile, and two), or ``None``;
-    both forms, with float32 scales and with float16 ones."""
+    """Why the AMX products are wrong or depend on the rows beside them (:func:`_check_bfloat16_products`)."""
+    return _check_bfloat16_products(module, pack_amx, pack_amx_int8, "the AMX products")
+
+
+@functools.lru_cache(maxsize=None)
+def _check_bf16(module) -> str | None:
+    """Why the AVX512-BF16 products are wrong or depend on the rows beside them."""
+    return _check_bfloat16_products(module, pack_bf16, pack_bf16_int8, "the AVX512-BF16 products")
+
+
+def _check_bfloat16_products(module, pack4: Callable, pack8: Callable, name: str) -> str | None:
+    """Why a bfloat16 product (``pack4``/``pack8`` its layouts) is wrong (against float64 with the inputs and the
+    decoded weights rounded to bfloat16, as it takes them) or depends on the rows beside them (1, 5 and 17 rows),
+    or ``None``; both forms, with float32 scales and with float16 ones."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 32, 96
     codes, scales, zeros = _random_passes(generator, out_features, in_features, passes=1)
@@ -308,22 +368,22 @@ def _check_amx(module) -> str | None:
     for scale, zero in ((scales[0], zeros[0]), (half_scales, half_zeros)):
         bias = (zero - 8 * scale).double()  # folded in float32, as the packing does
         four = codes[0].double() * scale.double().repeat_interleave(GROUP, 1) + bias.repeat_interleave(GROUP, 1)
-        cases.append((pack_amx(codes, [scale], [zero]), inputs @ four.float().bfloat16().double().t()))
+        cases.append((pack4(codes, [scale], [zero]), inputs @ four.float().bfloat16().double().t()))
     for scale in (signed_scales, signed_scales.half().float()):
         eight = signed.double() * scale.double().repeat_interleave(16, 1)
-        cases.append((pack_amx_int8(signed, scale), inputs @ eight.float().bfloat16().double().t()))
+        cases.append((pack8(signed, scale), inputs @ eight.float().bfloat16().double().t()))
     if [packed.scales.dtype for packed, _ in cases] != [torch.float32, torch.float16] * 2:
-        return "the AMX packing does not store exact float16 scales as float16"
+        return f"the packing of {name} does not store exact float16 scales as float16"
     for packed, expected in cases:
         try:
             whole = int4_mm(module, rows, packed)
             parts = [int4_mm(module, rows[2:3].contiguous(), packed), int4_mm(module, rows[:5].contiguous(), packed)]
         except RuntimeError as exc:
-            return f"the AMX products fail ({_first_line(exc)})"
+            return f"{name} fail ({_first_line(exc)})"
         if not torch.allclose(whole.double(), expected, rtol=1e-4, atol=1e-4):
-            return "the AMX products compute wrong products"
+            return f"{name} compute wrong products"
         if not (torch.equal(parts[0][0], whole[2]) and torch.equal(parts[1], whole[:5])):
-            return "the AMX products' rows depend on the rows beside them"
+            return f"{name}' rows depend on the rows beside them"
     return None
 
 
