@@ -406,6 +406,22 @@ def test_every_method_batched_on_the_int4_path_equals_its_plain_decoding(tmp_pat
     assert accepted > 0
 
 
+def test_batched_generation_runs_beside_the_int4_paths_float16_cache(tmp_path):
+    """Building a model store generates through the model's own modules, whose attention takes the model's dtype:
+    its cache is in that dtype even where the int4 path's own cache is float16 (``make stores`` failed on a fresh
+    machine since the float16 cache became the default)."""
+    from hierspec.batch_generate import generate_greedy_batches
+
+    model, path = _tiny(tmp_path)
+    target = _int4_target(model, path, "compiled")
+    if target.runtime.kv_dtype != torch.float16:
+        pytest.skip("the compiled layers do not attend here")
+    prompts = [[4, 8, 15, 16, 23], [5, 6, 7], [9, 9, 2, 1]]
+    answers = dict(generate_greedy_batches(target, prompts, 6, batch_size=3))
+    expected = dict(generate_greedy_batches(_float32_copy(model), prompts, 6, batch_size=3))
+    assert answers == expected and max(len(answer) for answer in answers.values()) == 6
+
+
 def test_unsupported_blocks_fall_back_to_dequantized_weights_or_fail_clearly_when_int4_is_asked(tmp_path):
     model, path = _tiny(tmp_path, plain=("blk.1.ffn_down.weight",))
     weights, reason = q.read_gguf_weights(path, model.config)

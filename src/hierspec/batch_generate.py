@@ -51,7 +51,8 @@ def _generate_group(target: TargetModel, prompts: list[list[int]], room: int) ->
     causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
     # a padding query sees itself only, so no row of the softmax is empty
     mask = (causal & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
-    cache = target.runtime.eager_cache(capacity=width + room)  # batched rows: a growing cache
+    # batched rows through the model's own modules: a growing cache in the model's dtype
+    cache = target.runtime.eager_cache(capacity=width + room, modules=True)
     logits = target.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
                           past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
     answers: list[list[int]] = [[] for _ in prompts]

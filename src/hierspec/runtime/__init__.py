@@ -268,10 +268,12 @@ class Runtime:
         self._static_cache.reset()
         return self._static_cache
 
-    def eager_cache(self, capacity: int | None = None) -> TreeCache:
-        """A growing cache for eager forwards of any batch (batched generation), whatever the runtime's kind."""
+    def eager_cache(self, capacity: int | None = None, modules: bool = False) -> TreeCache:
+        """A growing cache for eager forwards of any batch, whatever the runtime's kind; with ``modules``, for
+        forwards through the model's own modules (batched generation), whose attention takes entries in the model's
+        dtype only (not the float16 of the compiled layers' cache)."""
         capacity = -(-(capacity or DEFAULT_CAPACITY) // self.align) * self.align  # aligned views never regrow
-        return TreeCache(self.num_layers, capacity, self.kv_dtype)
+        return TreeCache(self.num_layers, capacity, None if modules else self.kv_dtype)
 
     def slot_caches(self, slots: int, capacity: int | None = None) -> list[TreeCache]:
         """``slots`` caches for sequences verified together by :meth:`forward_trees`: with the owned decoder, slots of
