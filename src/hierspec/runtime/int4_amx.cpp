@@ -44,10 +44,9 @@ using hierspec_tiles::kStep;
 using hierspec_tiles::checked_tiles;
 using hierspec_tiles::TileShape;
 #ifdef HIERSPEC_AMX
-using hierspec_tiles::as_words;
-using hierspec_tiles::EightBit;
-using hierspec_tiles::FourBit;
+using hierspec_tiles::bits;
 using hierspec_tiles::Tiles;
+using hierspec_tiles::with_form;
 #endif
 
 constexpr int64_t kTileCols = 16;  // rows of inputs per tile product: the right tile's columns
@@ -244,17 +243,6 @@ void blocks_of_outputs(const Operands<typename Form::Scale>& o, int64_t begin, i
   _tile_release();
 }
 
-// Every block of the product, shared out between the threads, with scales and biases of type S
-template <template <typename> class Form, typename S>
-void product_blocks(const uint32_t* inputs, const torch::Tensor& codes, const torch::Tensor& scale,
-                    const torch::Tensor& bias, torch::Tensor& out, int64_t padded, int64_t steps, int64_t groups) {
-  const Tiles<S> weights{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
-                         bias.numel() == 0 ? nullptr : static_cast<const S*>(bias.data_ptr()), steps, groups,
-                         codes.size(1), out.size(1)};
-  const Operands<S> o{weights, inputs, out.data_ptr<float>(), out.size(0), padded};
-  at::parallel_for(0, o.blocks, 4, [&](int64_t begin, int64_t end) { blocks_of_outputs<Form<S>>(o, begin, end); });
-}
-
 // The rows as the right tiles take them: bfloat16 (round to nearest even) pairs [steps, 16, padded], pair r of
 // step s of row m holding its inputs 32 s + 2 r and 32 s + 2 r + 1; padding rows are zero. Each step of up to 16
 // rows is one 16 x 16 transpose of their pairs in registers (a scatter per row and step cost ~0.6 ms of a 16-row
@@ -268,7 +256,7 @@ void prepare_inputs(const float* x, int64_t rows, int64_t padded, int64_t steps,
       __m512 pairs[16];
       for (int64_t j = 0; j < 16; ++j) {
         const float* src = x + (m0 + j) * steps * kStep + s * kStep;
-        pairs[j] = j < count ? _mm512_castsi512_ps(as_words(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16),
+        pairs[j] = j < count ? _mm512_castsi512_ps(bits<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16),
                                                                                  _mm512_loadu_ps(src))))
                              : _mm512_setzero_ps();
       }
@@ -299,19 +287,21 @@ torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, co
                           const torch::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
   const TileShape shape = checked_tiles(x, codes, scale, bias, false);
-  const int64_t rows = x.size(0), steps = shape.steps, groups = shape.groups, n = shape.blocks * kBlock;
-  const bool eight = shape.eight, half = shape.half;
+  const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)
 #ifdef HIERSPEC_AMX
   const int64_t cols = std::min(rows, kTileCols);
   const int64_t padded = (rows + cols - 1) / cols * cols;
   thread_local std::vector<uint32_t> inputs;
-  prepare_inputs(x.data_ptr<float>(), rows, padded, steps, inputs);
-  if (eight && half) product_blocks<EightBit, uint16_t>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
-  else if (eight) product_blocks<EightBit, float>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
-  else if (half) product_blocks<FourBit, uint16_t>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
-  else product_blocks<FourBit, float>(inputs.data(), codes, scale, bias, out, padded, steps, groups);
+  prepare_inputs(x.data_ptr<float>(), rows, padded, shape.steps, inputs);
+  // every block of the product, shared out between the threads
+  with_form(shape, codes, scale, bias, n, [&](auto form, const auto& weights) {
+    const Operands<typename decltype(form)::Scale> o{weights, inputs.data(), out.data_ptr<float>(), rows, padded};
+    at::parallel_for(0, o.blocks, 4, [&](int64_t begin, int64_t end) {
+      blocks_of_outputs<decltype(form)>(o, begin, end);
+    });
+  });
 #endif
   return out;
 }

@@ -1,5 +1,5 @@
 // hierspec's quantized products on AVX512-BF16 dot products (CPUs with AVX512_BF16 but no AMX tiles: AMD Zen 4):
-// the weights decoded to bfloat16 once for up to 8 rows, so that a tree's rows add little work over a token's.
+// the weights decoded to bfloat16 once for all rows, so that a tree's rows add only their dot products.
 //
 // The weights are int4_tiles.h's (the AMX products' decoding: the same bfloat16 weight for every code) in a layout
 // of their own, a block's pairs of outputs one after another so that each thread reads one sequential stream:
@@ -9,8 +9,8 @@
 // A pass over one pair's steps decodes each step's 2 x 32 weights once and multiplies them with up to 8 rows
 // (rounded to bfloat16, round to nearest even): VDPBF16PS adds two products per float32 lane, each (row, output)
 // accumulates 16 lanes over the steps and sums them at the end. More rows take several passes over the pair's
-// decoded weights. A row costs a dot product per 32 weights: on a Zen 4 (~1.3 cycles each) 16 rows take ~5.4x
-// one row's time, where decoding (~9.5 cycles per pair and step) dominates one row.
+// decoded weights. A row costs a dot product per 32 weights: on a Zen 4 (~1.3 cycles each) a 16-row product takes
+// ~5x a one-row one's time, where decoding (~9.5 cycles per pair and step) dominates one row.
 //
 // Batch invariance: each (row, output) result is one fixed sequence of dot products and one fixed lane sum, whatever
 // the number of rows, how they are grouped into passes or how the blocks are split between threads
@@ -36,18 +36,13 @@ using hierspec_tiles::checked_tiles;
 using hierspec_tiles::TileShape;
 
 #ifdef HIERSPEC_BF16_TILES
-using hierspec_tiles::EightBit;
-using hierspec_tiles::FourBit;
+using hierspec_tiles::bits;
 using hierspec_tiles::Tiles;
+using hierspec_tiles::widened;
+using hierspec_tiles::with_form;
 
 constexpr int kPairs = kBlock / 2;
 constexpr int kRowsPerPass = 8;  // 2 accumulators a row: 16 of the 32 vector registers
-
-inline __m512bh as_bf16(__m512i v) {
-  __m512bh out;
-  std::memcpy(&out, &v, sizeof out);
-  return out;
-}
 
 // A product's weights (codes in this file's layout), its rows as bfloat16 [rows, K] and its output [rows, N]
 template <typename S>
@@ -57,17 +52,6 @@ struct Dots {
   float* out;
   int64_t rows, k;
 };
-
-// a block's scales (or biases), `count` of them, as float32: where they are, or widened (exactly) into `room`
-inline const float* block_values(const float* values, int64_t, std::vector<float>&) { return values; }
-
-inline const float* block_values(const uint16_t* values, int64_t count, std::vector<float>& room) {
-  room.resize(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; i += 16)
-    _mm512_storeu_ps(room.data() + i,
-                     _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
-  return room.data();
-}
 
 // outputs 2 j and 2 j + 1 of a block for rows r0 .. r0 + MT, step s's weights from weights_of(s, even, odd)
 template <int MT, class S, class WeightsOf>
@@ -79,9 +63,9 @@ void pair_rows(const Dots<S>& d, int64_t block, int j, int64_t r0, WeightsOf wei
     __m512i even, odd;
     weights_of(s, even, odd);
     for (int m = 0; m < MT; ++m) {
-      const __m512bh inputs = as_bf16(_mm512_loadu_si512(x + m * d.k + s * kStep));
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], as_bf16(even), inputs);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], as_bf16(odd), inputs);
+      const __m512bh inputs = bits<__m512bh>(_mm512_loadu_si512(x + m * d.k + s * kStep));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], bits<__m512bh>(even), inputs);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], bits<__m512bh>(odd), inputs);
     }
   }
   float* out = d.out + r0 * d.w.n + block * kBlock + 2 * j;
@@ -135,26 +119,19 @@ void pair_all_rows(const Form& form, const Dots<typename Form::Scale>& d, int64_
 
 template <class Form>
 void blocks_of_outputs(const Dots<typename Form::Scale>& d, int64_t begin, int64_t end) {
-  thread_local std::vector<float> scale_room, bias_room;
+  thread_local std::vector<float> scale_room, bias_room;  // a block's float16 scales and biases, widened
   thread_local std::vector<Decoded> decoded;
   decoded.resize(static_cast<size_t>(d.w.steps));
   const Form form;
   const int64_t count = d.w.steps * Form::kScales;  // a block's scales (and biases)
+  scale_room.resize(static_cast<size_t>(count));
+  bias_room.resize(static_cast<size_t>(count));
   for (int64_t block = begin; block < end; ++block) {
-    const float* scales = block_values(Form::scale_of(d.w, block, 0), count, scale_room);
-    const float* biases = d.w.bias == nullptr ? nullptr : block_values(Form::bias_of(d.w, block, 0), count, bias_room);
+    const float* scales = widened(Form::scale_of(d.w, block, 0), count, scale_room.data());
+    const float* biases =
+        d.w.bias == nullptr ? nullptr : widened(Form::bias_of(d.w, block, 0), count, bias_room.data());
     for (int j = 0; j < kPairs; ++j) pair_all_rows(form, d, block, j, scales, biases, decoded.data());
   }
-}
-
-template <template <typename> class Form, typename S>
-void product_blocks(const uint16_t* x, const torch::Tensor& codes, const torch::Tensor& scale,
-                    const torch::Tensor& bias, torch::Tensor& out, int64_t steps, int64_t groups) {
-  const Tiles<S> w{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
-                   bias.numel() == 0 ? nullptr : static_cast<const S*>(bias.data_ptr()), steps, groups,
-                   codes.size(1), out.size(1)};
-  const Dots<S> d{w, x, out.data_ptr<float>(), out.size(0), steps * kStep};
-  at::parallel_for(0, w.blocks, 4, [&](int64_t begin, int64_t end) { blocks_of_outputs<Form<S>>(d, begin, end); });
 }
 
 // float32 rows as bfloat16, rounded to nearest even (K a multiple of 32)
@@ -186,17 +163,19 @@ torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, c
                            const torch::Tensor& bias) {
   TORCH_CHECK(bf16_ready(), "the AVX512-BF16 product is not available in this build");
   const TileShape shape = checked_tiles(x, codes, scale, bias, true);
-  const int64_t rows = x.size(0), steps = shape.steps, groups = shape.groups, n = shape.blocks * kBlock;
-  const bool eight = shape.eight, half = shape.half;
+  const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;
 #ifdef HIERSPEC_BF16_TILES
   thread_local std::vector<uint16_t> inputs;
   rounded_rows(x.data_ptr<float>(), x.numel(), inputs);
-  if (eight && half) product_blocks<EightBit, uint16_t>(inputs.data(), codes, scale, bias, out, steps, groups);
-  else if (eight) product_blocks<EightBit, float>(inputs.data(), codes, scale, bias, out, steps, groups);
-  else if (half) product_blocks<FourBit, uint16_t>(inputs.data(), codes, scale, bias, out, steps, groups);
-  else product_blocks<FourBit, float>(inputs.data(), codes, scale, bias, out, steps, groups);
+  // every block of the product, shared out between the threads
+  with_form(shape, codes, scale, bias, n, [&](auto form, const auto& weights) {
+    const Dots<typename decltype(form)::Scale> d{weights, inputs.data(), out.data_ptr<float>(), rows, x.size(1)};
+    at::parallel_for(0, weights.blocks, 4, [&](int64_t begin, int64_t end) {
+      blocks_of_outputs<decltype(form)>(d, begin, end);
+    });
+  });
 #endif
   return out;
 }

@@ -74,24 +74,23 @@ struct Tiles {
   int64_t steps, groups, blocks, n;
 };
 
-// N scales (or biases; N a multiple of 16) as float32 in memory, where the decode's broadcasts read them: float32
-// ones where they are, float16 ones widened (exactly) into `room`
-template <int64_t N>
-inline const float* widened(const float* values, float*) {
-  return values;
-}
+// `count` scales (or biases; a multiple of 16) as float32 in memory, where the decode's broadcasts read them:
+// float32 ones where they are, float16 ones widened (exactly) into `room`
+inline const float* widened(const float* values, int64_t, float*) { return values; }
 
-template <int64_t N>
-inline const float* widened(const uint16_t* values, float* room) {
-  for (int64_t i = 0; i < N; i += 16)
-    _mm512_store_ps(room + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
+inline const float* widened(const uint16_t* values, int64_t count, float* room) {
+  for (int64_t i = 0; i < count; i += 16)
+    _mm512_storeu_ps(room + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i))));
   return room;
 }
 
-inline __m512i as_words(__m512bh v) {
-  __m512i words;
-  std::memcpy(&words, &v, sizeof words);
-  return words;
+// a vector's bits as another vector type of the same size (bfloat16 words as integers and back)
+template <class To, class From>
+inline To bits(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
 }
 
 // The 4-bit form: step g of a block is scale group g.
@@ -121,7 +120,7 @@ struct FourBit {
     const __m512 even_values = _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j]), _mm512_set1_ps(bias[2 * j]));
     const __m512 odd_values =
         _mm512_fmadd_ps(code_values, _mm512_set1_ps(scale[2 * j + 1]), _mm512_set1_ps(bias[2 * j + 1]));
-    const __m512i table = as_words(_mm512_cvtne2ps_pbh(odd_values, even_values));  // entries 0..15 even, 16..31 odd
+    const __m512i table = bits<__m512i>(_mm512_cvtne2ps_pbh(odd_values, even_values));  // entries 0..15 even, 16..31 odd
     const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
     const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(15));
     const __m512i high = _mm512_or_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi16(16));
@@ -132,8 +131,8 @@ struct FourBit {
   // a step's 16 outputs into dst [16 outputs x 32 bfloat16]
   void decode(const Tiles<S>& t, int64_t block, int64_t step, uint16_t* dst) const {
     alignas(64) float rooms[2][kScales];
-    const float* scale = widened<kScales>(scale_of(t, block, step), rooms[0]);
-    const float* bias = widened<kScales>(bias_of(t, block, step), rooms[1]);
+    const float* scale = widened(scale_of(t, block, step), kScales, rooms[0]);
+    const float* bias = widened(bias_of(t, block, step), kScales, rooms[1]);
     const uint8_t* src = codes_of(t, block, step);
     for (int j = 0; j < 8; ++j) {
       __m512i even, odd;
@@ -169,7 +168,7 @@ struct EightBit {
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row))), _mm512_set1_ps(scale[n]));
     const __m512 high = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(row + 1))),
                                       _mm512_set1_ps(scale[kBlock + n]));
-    return as_words(_mm512_cvtne2ps_pbh(high, low));
+    return bits<__m512i>(_mm512_cvtne2ps_pbh(high, low));
   }
 
   void pair(const uint8_t* src, const float* scale, const float*, int j, __m512i& even, __m512i& odd) const {
@@ -179,11 +178,28 @@ struct EightBit {
 
   void decode(const Tiles<S>& t, int64_t block, int64_t step, uint16_t* dst) const {
     alignas(64) float room[kScales];
-    const float* scale = widened<kScales>(scale_of(t, block, step), room);
+    const float* scale = widened(scale_of(t, block, step), kScales, room);
     const uint8_t* src = codes_of(t, block, step);
     for (int n = 0; n < 16; ++n) _mm512_store_si512(dst + 32 * n, output(src + 32 * n, scale, n));
   }
 };
+
+// run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights, scales and biases of the type
+// they are stored in (float32, or float16 as uint16_t)
+template <class Run>
+void with_form(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
+               const torch::Tensor& bias, int64_t n, Run run) {
+  auto weights = [&](auto scale_type) {
+    using S = decltype(scale_type);
+    return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
+                    shape.eight ? nullptr : static_cast<const S*>(bias.data_ptr()), shape.steps, shape.groups,
+                    shape.blocks, n};
+  };
+  if (shape.eight && shape.half) run(EightBit<uint16_t>{}, weights(uint16_t{}));
+  else if (shape.eight) run(EightBit<float>{}, weights(float{}));
+  else if (shape.half) run(FourBit<uint16_t>{}, weights(uint16_t{}));
+  else run(FourBit<float>{}, weights(float{}));
+}
 
 }  // namespace hierspec_tiles
 
