@@ -30,6 +30,7 @@ import torch
 from hierspec.calibration import measure_cost_curve
 from hierspec.config import ModelConfig
 from hierspec.machine import cpu_info
+from hierspec.runtime import int4_kernel
 from hierspec.runtime import quantized as q
 from hierspec.target import load_model
 
@@ -52,7 +53,7 @@ def _median_seconds(call, repeats: int) -> float:
 
 def _kernels() -> list[str]:
     """The kernels that run here."""
-    return [name for name in ("torch", "compiled", "amx", "bf16") if q.resolve_kernel(name)[0] is not None]
+    return [name for name in int4_kernel.KERNELS if q.resolve_kernel(name)[0] is not None]
 
 
 def products() -> None:
@@ -154,7 +155,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention"])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--int4-kernel", default="torch", choices=["compiled", "torch", "amx", "bf16"])
+    parser.add_argument("--int4-kernel", default="torch", choices=list(int4_kernel.KERNELS))
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()

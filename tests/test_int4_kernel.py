@@ -343,6 +343,23 @@ def test_a_kernel_that_computes_wrong_products_is_not_used():
     assert k._check(Wrong()) == "the compiled int4 kernel computes wrong products"
 
 
+def test_the_cli_and_the_model_config_offer_exactly_the_runtimes_kernels():
+    """cli.py and config.py spell the kernel names out (they load without torch): they must match the runtime's."""
+    import argparse
+
+    from hierspec.cli import _add_model_options
+    from hierspec.config import ModelConfig
+
+    parser = argparse.ArgumentParser()
+    _add_model_options(parser)
+    option = next(action for action in parser._actions if action.dest == "int4_kernel")
+    assert tuple(option.choices) == k.KERNEL_CHOICES
+    for name in k.KERNEL_CHOICES:
+        assert ModelConfig(int4_kernel=name).int4_kernel == name
+    with pytest.raises(InputError, match="unknown int4 kernel"):
+        ModelConfig(int4_kernel="avx2")
+
+
 def test_asking_for_an_int4_kernel_that_cannot_run_is_a_clear_error(tmp_path, monkeypatch):
     from test_quantized import write_tiny_gguf
 

@@ -139,8 +139,8 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
     # curves with hierspec's own int4 kernels are their own; PyTorch's kernel keeps the name its curves always had
     four, eight = ident.get("int4_kernel"), ident.get("int8_kernel")
-    kernel = (f"|{four}" if four in ("compiled", "amx", "bf16") else "") + (
-        f"|int8-{eight}" if eight in ("compiled", "amx", "bf16") else "")
+    kernel = (f"|{four}" if four in int4_kernel.OWN_KERNELS else "") + (
+        f"|int8-{eight}" if eight in int4_kernel.OWN_KERNELS else "")
     # whole compiled layers with their exact attention cost less per row than the halves: their curves are their own
     layers = "|compiled-exact" if ident.get("layers") == "compiled-exact" else ""
     # a float16 cache reads half the bytes per attended entry: its curves are their own

@@ -128,7 +128,7 @@ class ModelConfig:
             int4 kernel; bfloat16 rows), ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
             bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one) or
             ``"bf16"`` (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the AMX products' weights,
-            decoded once for up to 8 rows).
+            decoded once for all rows, 8 rows a pass).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do

@@ -60,8 +60,10 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
 KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16")
+#: hierspec's own kernels, built here (their cost curves are their own)
+OWN_KERNELS = ("compiled", "amx", "bf16")
 #: the kernels ``auto`` chooses among (each where it runs)
-KERNELS = ("torch", "compiled", "amx", "bf16")
+KERNELS = ("torch",) + OWN_KERNELS
 #: row counts the automatic choice times each kernel at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)

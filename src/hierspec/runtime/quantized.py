@@ -270,8 +270,8 @@ class Int4Projection:
     compiled one (:mod:`~hierspec.runtime.int4_kernel`: float32 rows and scales; a ``Q8_0``/``Q6_K`` weight as signed
     8-bit codes with a scale per 16 inputs), the AMX or the AVX512-BF16 one (bfloat16 rows, float32 scales — float16
     where exact; ``Q8_0``/``Q6_K`` as 8-bit codes too) or PyTorch's (bfloat16 rows and scales, one call per 4-bit
-    pass). Call it
-    like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all members).
+    pass). Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all
+    members).
     """
 
     packed = True
