@@ -5,6 +5,7 @@
     python scripts/int4_kernels.py curves [--model M] [--rounds 3]    # whole verification forwards per kernel
     python scripts/int4_kernels.py halves [--model M] [--int4-kernel torch] [--rounds 4]
     python scripts/int4_kernels.py attention [--model M] [--int4-kernel amx] [--rounds 4]
+    python scripts/int4_kernels.py agreement [--model M] [--per-category 2] [--tokens 96]
 
 ``products`` times every kernel that runs here (PyTorch's, hierspec's compiled one, the AMX one) on the shapes of
 one SmolLM2-135M forward (30 layers' q/k/v, output, gate/up and down products and the two-pass Q8_0 head) at 1–16
@@ -17,6 +18,10 @@ it beside them). ``halves`` loads the model twice — one decoder with its compi
 operation by operation — and prints both verification cost curves, interleaved over ``--rounds``.
 ``attention`` loads the model twice — one decoder running each layer as one compiled call with its exact attention
 (``int4_attention.cpp``), one running the layer halves around the numba kernel — and prints both curves.
+``agreement`` measures what each kernel's rounding does to the model: the compiled kernel (float32 rows, the file's
+model up to the order of its sums) decodes each dev question greedily; every kernel then reads the same tokens in
+32-token chains, and each position's next-token choice and distribution are compared with the compiled kernel's
+(top-1 agreement, mean KL divergence, positions whose top two the reference separates by over 1 logit).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +41,8 @@ from hierspec.runtime import quantized as q
 from hierspec.target import load_model
 
 ROWS = (1, 2, 4, 8, 16)
+#: the dev questions (``agreement``)
+DEV_QUESTIONS = Path(__file__).resolve().parents[1] / "data" / "spec_bench_dev.jsonl"
 #: one SmolLM2-135M forward: name -> (out, in, passes, calls per forward)
 SMOLLM2 = {"qkv": (960, 576, 1, 30), "out": (576, 576, 1, 30), "gate_up": (3072, 576, 1, 30),
            "down": (576, 1536, 1, 30), "head": (49152, 576, 2, 1)}
@@ -151,13 +159,78 @@ def attention(model: str | None, kernel: str, rounds: int) -> None:
     _print_curves(arms, ROWS + (32,), rounds)
 
 
+def agreement(model: str | None, per_category: int, tokens: int) -> None:
+    from hierspec.bench.questions import load_questions, select_questions
+    from hierspec.tree import build_tree
+
+    kernels = _kernels()
+    if "compiled" not in kernels:
+        raise SystemExit("the compiled kernel (the float32 reference) does not run here")
+    targets = {kernel: load_model(config=ModelConfig(spec=model, threads=torch.get_num_threads(), int4_kernel=kernel))
+               for kernel in ["compiled"] + [k for k in kernels if k != "compiled"]}
+    reference = targets["compiled"]
+    questions = select_questions(load_questions(DEV_QUESTIONS), per_category=per_category)
+    logits = {kernel: [] for kernel in targets}
+    with torch.inference_mode():
+        for question in questions:
+            prompt = reference.encode_prompt(question.turns[0])
+            sequence = _greedy(reference, prompt, tokens)
+            for kernel, target in targets.items():
+                logits[kernel].append(_chained_logits(target, prompt, sequence, build_tree))
+    expected = torch.cat(logits["compiled"])
+    top2 = expected.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1.0
+    print(f"{len(questions)} dev questions, {expected.shape[0]} positions ({int(clear.sum())} with a top-1 margin "
+          f"over 1 logit), against the compiled kernel's float32 rows")
+    for kernel in targets:
+        if kernel == "compiled":
+            continue
+        got = torch.cat(logits[kernel])
+        same = got.argmax(-1) == expected.argmax(-1)
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), expected.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        print(f"  {kernel:8s} top-1 agreement {same.float().mean().item() * 100:.2f} % "
+              f"(margin > 1: {same[clear].float().mean().item() * 100:.2f} %), mean KL {kl.mean().item():.2e}")
+
+
+def _greedy(target, prompt: list[int], tokens: int) -> list[int]:
+    """``prompt`` followed by the target's greedy continuation of ``tokens`` tokens, one forward a token."""
+    from hierspec.tree import build_tree
+
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    sequence = list(prompt)
+    for _ in range(tokens):
+        out = target.forward_tree(cache, build_tree(sequence[-1], []))
+        target.keep_path(cache, len(sequence) - 1, [0])
+        sequence.append(int(out.logits[0].argmax()))
+    return sequence
+
+
+def _chained_logits(target, prompt: list[int], sequence: list[int], build_tree, chain: int = 32) -> torch.Tensor:
+    """The target's float32 logits at every position of ``sequence`` after ``prompt``, read in chains of ``chain``
+    tokens (as a tree of one branch is verified)."""
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    rows, start = [], len(prompt) - 1
+    while start < len(sequence) - 1:
+        part = sequence[start:start + chain]
+        out = target.forward_tree(cache, build_tree(part[0], [part[1:]] if len(part) > 1 else []))
+        target.keep_path(cache, start, list(range(len(part))))
+        rows.append(out.logits[:len(part)].float())
+        start += len(part)
+    return torch.cat(rows)[:len(sequence) - len(prompt)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention"])
+    parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention", "agreement"])
     parser.add_argument("--model", default=None)
     parser.add_argument("--int4-kernel", default="torch", choices=list(int4_kernel.KERNELS))
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--per-category", type=int, default=2, help="agreement: dev questions per category")
+    parser.add_argument("--tokens", type=int, default=96, help="agreement: tokens decoded per question")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(cpu_info().describe(), f"torch kernels {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
@@ -167,6 +240,8 @@ def main() -> None:
         forward(args.model, args.rounds or 7)
     elif args.what == "curves":
         curves(args.model, args.rounds or 3)
+    elif args.what == "agreement":
+        agreement(args.model, args.per_category, args.tokens)
     elif args.what == "halves":
         halves(args.model, args.int4_kernel, args.rounds or 4)
     else:

@@ -100,11 +100,28 @@ AMX_REASON = k.amx_reason()
 needs_amx = pytest.mark.skipif(AMX_REASON is not None, reason=str(AMX_REASON))
 BF16_REASON = k.bf16_reason()
 needs_bf16 = pytest.mark.skipif(BF16_REASON is not None, reason=str(BF16_REASON))
-#: the bfloat16 products, each with its layouts of 4-bit and 8-bit codes and its packed weights' class: the AMX
-#: tiles and the AVX512-BF16 dot products decode the same weights and are held to the same tests
-BFLOAT16_KERNELS = [
-    pytest.param((k.pack_amx, k.pack_amx_int8, k.PackedAmx), marks=needs_amx, id="amx"),
-    pytest.param((k.pack_bf16, k.pack_bf16_int8, k.PackedBf16), marks=needs_bf16, id="bf16"),
+VNNI_REASON = k.vnni_reason()
+needs_vnni = pytest.mark.skipif(VNNI_REASON is not None, reason=str(VNNI_REASON))
+
+
+def _bfloat16_expected(rows, weight):
+    """The bfloat16 products' model in float64: the rows rounded to bfloat16 times the weights as the kernels decode
+    them (computed in float32, rounded to bfloat16)."""
+    return rows.bfloat16().double() @ weight.float().bfloat16().double().t()
+
+
+def _vnni_expected(rows, weight):
+    """The AVX512-VNNI products' model in float64: the rows rounded to 8-bit codes per 32 inputs times the weights."""
+    return k.vnni_rounded(rows) @ weight.t()
+
+
+#: the tile-decoding products, each with its layouts of 4-bit and 8-bit codes, its packed weights' class and its model
+#: in float64: the AMX tiles and the AVX512-BF16 dot products decode the same bfloat16 weights, the AVX512-VNNI ones
+#: multiply the codes by the rows' 8-bit codes; all are held to the same tests
+DECODING_KERNELS = [
+    pytest.param((k.pack_amx, k.pack_amx_int8, k.PackedAmx, _bfloat16_expected), marks=needs_amx, id="amx"),
+    pytest.param((k.pack_bf16, k.pack_bf16_int8, k.PackedBf16, _bfloat16_expected), marks=needs_bf16, id="bf16"),
+    pytest.param((k.pack_vnni, k.pack_vnni_int8, k.PackedVnni, _vnni_expected), marks=needs_vnni, id="vnni"),
 ]
 
 
@@ -143,6 +160,42 @@ def test_the_avx512_bf16_packing_holds_the_amx_bytes_with_a_blocks_pairs_one_aft
     assert torch.equal(eight.codes[0, 0, 3, 1, :32], signed[6, 32:])
 
 
+def test_the_avx512_vnni_packing_puts_four_inputs_of_each_output_together_and_two_quads_in_one_byte():
+    # code (n + k) % 16 of output n at input k; scales and bias as the AMX layout's
+    codes = ((torch.arange(32).reshape(32, 1) + torch.arange(64).reshape(1, 64)) % 16).to(torch.uint8)
+    scales, zeros = [torch.full((32, 2), 2.0)], [torch.full((32, 2), 16.5)]
+    packed, tiles = k.pack_vnni([codes], scales, zeros), k.pack_amx([codes], scales, zeros)
+    assert packed.codes.shape == (1, 2, 2, 4, 16, 4) and packed.codes.dtype == torch.uint8
+    # byte (c, n, i) of step s: input 32 s + 4 c + i (low nibble) and 32 s + 16 + 4 c + i (high) of output 16 b + n
+    assert packed.codes[0, 0, 0, 0, 0].tolist() == [0x00, 0x11, 0x22, 0x33]
+    assert packed.codes[0, 1, 1, 2, 3].tolist() == [(19 + 40 + i) % 16 | ((19 + 56 + i) % 16) << 4 for i in range(4)]
+    assert torch.equal(packed.scales, tiles.scales) and torch.equal(packed.bias, tiles.bias)
+    signed = (torch.arange(16 * 64).reshape(16, 64) % 251 - 125).to(torch.int8)
+    eight = k.pack_vnni_int8(signed, torch.ones(16, 4))
+    assert eight.codes.shape == (1, 1, 2, 8, 16, 4) and eight.codes.dtype == torch.int8
+    assert torch.equal(eight.codes[0, 0, 1, 5, 9], signed[9, 32 + 20:32 + 24])  # step 1, quad 5, output 9
+    with pytest.raises(ValueError, match="one pass"):
+        k.pack_vnni([codes, codes], scales * 2, zeros * 2)
+
+
+@needs_vnni
+def test_the_avx512_vnni_products_round_each_row_to_15_bits_per_32_inputs_as_vnni_rounded_says():
+    """An identity weight (8-bit code 1 at scale 1) returns the rounded rows themselves, bit for bit: the kernel's
+    rounding is the model the other tests compare with. Each input lands within 1/256 of its step's scale
+    (max |x| / 127); multiples of 1/128 of it come back exactly; a step of zeros stays zero."""
+    generator = torch.Generator().manual_seed(12)
+    rows = torch.randn(11, 64, generator=generator) * torch.logspace(-3, 3, 64)
+    rows[3, 32:] = 0
+    rows[4, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5 + 1 / 128, 127.0])  # the step's scale is 1
+    identity = k.pack_vnni_int8(torch.eye(64, dtype=torch.int8), torch.ones(64, 4))
+    got = k.int4_mm(MODULE, rows, identity)
+    assert torch.equal(got, k.vnni_rounded(rows).float())
+    assert got[4, :5].tolist() == rows[4, :5].tolist() and got[3, 32:].abs().max() == 0
+    step_scale = (rows.reshape(11, 2, 32).abs().amax(-1) / 127).repeat_interleave(32, 1)
+    assert ((got - rows).abs() <= step_scale / 256 * (1 + 1e-4)).all()
+    assert (got != rows).any()
+
+
 def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_one():
     codes = torch.zeros(16, 64, dtype=torch.uint8)
     exact = k.pack_amx([codes], [torch.full((16, 2), 0.375)], [torch.full((16, 2), 5.0)])  # bias 5 - 8 * 0.375 = 2
@@ -154,17 +207,11 @@ def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_o
     assert k.pack_amx_int8(signed, torch.full((16, 2), 2.0 ** -20)).scales.dtype == torch.float16  # a subnormal
 
 
-def _bfloat16_expected(rows, weight):
-    """The bfloat16 products' model in float64: the rows rounded to bfloat16 times the weights as the kernels decode
-    them (computed in float32, rounded to bfloat16)."""
-    return rows.bfloat16().double() @ weight.float().bfloat16().double().t()
-
-
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
 @pytest.mark.parametrize(("out_features", "in_features", "rows"),
                          [(16, 32, 1), (48, 96, 9), (960, 576, 17), (144, 1536, 40)])
-def test_bfloat16_products_equal_their_model_in_float64(kernel, out_features, in_features, rows):
-    pack4, pack8, _ = kernel
+def test_decoding_products_equal_their_model_in_float64(kernel, out_features, in_features, rows):
+    pack4, pack8, _, model = kernel
     generator = torch.Generator().manual_seed(2)
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator, dtype=torch.uint8)
     scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.1
@@ -173,22 +220,22 @@ def test_bfloat16_products_equal_their_model_in_float64(kernel, out_features, in
     got = k.int4_mm(MODULE, x, pack4([codes], [scales], [zeros])).double()
     bias = (zeros - 8 * scales).double()  # folded in float32, as the packing does
     weight = codes.double() * scales.double().repeat_interleave(32, 1) + bias.repeat_interleave(32, 1)
-    expected = _bfloat16_expected(x, weight)
+    expected = model(x, weight)
     assert got.shape == (rows, out_features)
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator) * 0.01
     got = k.int4_mm(MODULE, x, pack8(signed, signed_scales)).double()
-    expected = _bfloat16_expected(x, signed.double() * signed_scales.double().repeat_interleave(16, 1))
+    expected = model(x, signed.double() * signed_scales.double().repeat_interleave(16, 1))
     assert ((got - expected).abs().max() / expected.abs().max()).item() < 1e-5
 
 
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
 @settings(max_examples=25, deadline=None)
 @given(st.data())
-def test_a_bfloat16_products_rows_are_bit_identical_whatever_rows_are_multiplied_with_them(kernel, data):
+def test_a_decoding_products_rows_are_bit_identical_whatever_rows_are_multiplied_with_them(kernel, data):
     """One tile or pass (up to 16 or 8 rows), several (a prompt): every row's operations are the same."""
-    pack4, pack8, _ = kernel
+    pack4, pack8, *_ = kernel
     generator = torch.Generator().manual_seed(3)
     weight, _ = _random_weight(48, 128, 2, seed=3)
     four = pack4([torch.randint(0, 16, (48, 128), generator=generator, dtype=torch.uint8)],
@@ -199,12 +246,13 @@ def test_a_bfloat16_products_rows_are_bit_identical_whatever_rows_are_multiplied
     _assert_row_subsets_equal(data, data.draw(st.sampled_from([four, eight])), rows)
 
 
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
-def test_bfloat16_products_rows_are_bit_identical_across_every_way_of_splitting_them(kernel):
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
+def test_decoding_products_rows_are_bit_identical_across_every_way_of_splitting_them(kernel):
     """AMX: one column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a
     last single tile); AVX512-BF16: one pass decoding as it goes (up to 8 rows), several passes over the decoded
-    steps (9 on, the last pass of 1 to 8 rows). The rows' products never change."""
-    pack4, pack8, _ = kernel
+    steps (9 on, the last pass of 1 to 8 rows); AVX512-VNNI: passes of up to 8 rows. The rows' products never
+    change."""
+    pack4, pack8, *_ = kernel
     generator = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)
     packs = [pack4([codes], [torch.rand(32, 3, generator=generator)], [torch.randn(32, 3, generator=generator)]),
@@ -218,10 +266,10 @@ def test_bfloat16_products_rows_are_bit_identical_across_every_way_of_splitting_
             assert torch.equal(k.int4_mm(MODULE, rows[70 - count:].contiguous(), packed), whole[70 - count:]), count
 
 
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
-def test_bfloat16_products_with_float16_scales_equal_those_with_the_same_scales_in_float32(kernel):
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
+def test_decoding_products_with_float16_scales_equal_those_with_the_same_scales_in_float32(kernel):
     """Float16 scales and offsets widen exactly (subnormal ones too): the same decoded weights, bit for bit."""
-    pack4, pack8, packed_class = kernel
+    pack4, pack8, packed_class, _ = kernel
     generator = torch.Generator().manual_seed(6)
     scales = torch.randint(1, 1024, (48, 4), generator=generator) / 4096
     zeros = torch.randint(-512, 512, (48, 4), generator=generator) / 256  # offsets zeros - 8 scales: 512ths
@@ -238,9 +286,9 @@ def test_bfloat16_products_with_float16_scales_equal_those_with_the_same_scales_
             assert got.abs().max() > 0
 
 
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
-def test_the_bfloat16_products_of_no_rows_are_empty_as_the_compiled_ones(kernel):
-    pack4, pack8, _ = kernel
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
+def test_the_decoding_products_of_no_rows_are_empty_as_the_compiled_ones(kernel):
+    pack4, pack8, *_ = kernel
     codes = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
     scales, zeros = torch.ones(32, 2), torch.zeros(32, 2)
     for packed in (pack4([codes], [scales], [zeros]), pack8(codes.to(torch.int8), torch.ones(32, 4)),
@@ -248,9 +296,9 @@ def test_the_bfloat16_products_of_no_rows_are_empty_as_the_compiled_ones(kernel)
         assert k.int4_mm(MODULE, torch.zeros(0, 64), packed).shape == (0, 32)
 
 
-@pytest.mark.parametrize("kernel", BFLOAT16_KERNELS)
-def test_the_bfloat16_products_refuse_operands_of_the_wrong_shape(kernel):
-    pack4, _, packed_class = kernel
+@pytest.mark.parametrize("kernel", DECODING_KERNELS)
+def test_the_decoding_products_refuse_operands_of_the_wrong_shape(kernel):
+    pack4, _, packed_class, _ = kernel
     packed = pack4([torch.zeros(16, 64, dtype=torch.uint8)], [torch.ones(16, 2)], [torch.zeros(16, 2)])
     with pytest.raises(RuntimeError, match="K must match"):
         k.int4_mm(MODULE, torch.randn(2, 32), packed)
@@ -259,10 +307,10 @@ def test_the_bfloat16_products_refuse_operands_of_the_wrong_shape(kernel):
     with pytest.raises(RuntimeError, match="the scale's dtype"):
         k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes, packed.scales.float(), packed.bias.half()))
     with pytest.raises(RuntimeError, match="codes: contiguous"):
-        k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes[..., :16], packed.scales, packed.bias))
+        k.int4_mm(MODULE, torch.randn(2, 64), packed_class(packed.codes[..., :2].contiguous(), packed.scales, packed.bias))
 
 
-def test_bfloat16_products_that_are_wrong_or_missing_are_reported(monkeypatch):
+def test_decoding_products_that_are_wrong_or_missing_are_reported(monkeypatch):
     class NoTiles:
         @staticmethod
         def amx_ready():
@@ -270,6 +318,10 @@ def test_bfloat16_products_that_are_wrong_or_missing_are_reported(monkeypatch):
 
         @staticmethod
         def bf16_ready():
+            return False
+
+        @staticmethod
+        def vnni_ready():
             return False
 
     class Wrong(NoTiles):
@@ -281,13 +333,19 @@ def test_bfloat16_products_that_are_wrong_or_missing_are_reported(monkeypatch):
         def int4_bf16_mm(rows, codes, scales, bias):
             return torch.zeros(rows.shape[0], codes.shape[1] * 16)
 
+        @staticmethod
+        def int4_vnni_mm(rows, codes, scales, bias):
+            return torch.zeros(rows.shape[0], codes.shape[1] * 16)
+
     assert k._check_amx(Wrong()) == "the AMX products compute wrong products"
     assert k._check_bf16(Wrong()) == "the AVX512-BF16 products compute wrong products"
+    assert k._check_vnni(Wrong()) == "the AVX512-VNNI products compute wrong products"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (NoTiles(), None))
     assert k.amx_reason() == "this CPU (or its operating system) offers no AMX-BF16 tiles"
     assert k.bf16_reason() == "this CPU has no AVX512_BF16 instructions"
+    assert k.vnni_reason() == "this CPU has no AVX512_VNNI instructions"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (None, "no compiler"))
-    assert k.amx_reason() == k.bf16_reason() == "no compiler"
+    assert k.amx_reason() == k.bf16_reason() == k.vnni_reason() == "no compiler"
 
 
 def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():

@@ -201,10 +201,10 @@ def prefill(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["compiled", "torch", "amx", "bf16", "mixed"])
+@pytest.fixture(params=["compiled", "torch", "amx", "bf16", "vnni", "mixed"])
 def kernel(request, monkeypatch):
     """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's, the AMX one, the AVX512-BF16
-    one), and two mixed as ``auto`` chose on an Intel Xeon before the AMX products: 4-bit and Q8_0 weights by
+    one, the AVX512-VNNI one), and two mixed as ``auto`` chose on an Intel Xeon before the AMX products: 4-bit and Q8_0 weights by
     PyTorch's kernel, Q6_K ones by the compiled 8-bit product."""
     if request.param == "mixed":
         for name in ("torch", "compiled"):
@@ -250,12 +250,12 @@ def _tree_logits(*targets) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("int4_kernel", "tolerance"),
-                         [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05), ("bf16", 0.05)])
+                         [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05), ("bf16", 0.05), ("vnni", 0.05)])
 def test_the_int4_forward_computes_the_files_model(tmp_path, float32_prefill, int4_kernel, tolerance):
     model, path = _tiny(tmp_path)
     expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path, int4_kernel, kv_cache="model"))
     # PyTorch's kernel rounds activations and scales to bfloat16: close; the AMX and AVX512-BF16 ones round
-    # activations and decoded weights only: closer;
+    # activations and decoded weights only, the AVX512-VNNI one activations to 8 bits per 32: closer;
     # the compiled one keeps float32: equal up to the order of its sums
     error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < tolerance, error

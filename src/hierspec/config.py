@@ -128,7 +128,9 @@ class ModelConfig:
             int4 kernel; bfloat16 rows), ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
             bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one) or
             ``"bf16"`` (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the AMX products' weights,
-            decoded once for all rows, 8 rows a pass).
+            decoded once for all rows, 8 rows a pass) or ``"vnni"`` (hierspec's own with AVX512-VNNI integer dot
+            products, AMD Zen 4 and Intel from Cascade Lake on: the codes multiplied as integers by each row rounded
+            to two 8-bit codes an input, ~15 bits per 32 inputs; 8 rows a pass).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
@@ -149,8 +151,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.kv_cache not in {"auto", "model", "float16"}:
             raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use auto, model or float16")
-        if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16"}:
-            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch, amx or bf16")
+        if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16", "vnni"}:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch, amx, bf16 or vnni")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.attention not in {"auto", "sdpa", "exact"}:

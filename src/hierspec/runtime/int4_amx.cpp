@@ -42,6 +42,7 @@ using hierspec_tiles::kBlock;
 using hierspec_tiles::kDecoded;
 using hierspec_tiles::kStep;
 using hierspec_tiles::checked_tiles;
+using hierspec_tiles::CodeLayout;
 using hierspec_tiles::TileShape;
 #ifdef HIERSPEC_AMX
 using hierspec_tiles::bits;
@@ -286,7 +287,7 @@ bool amx_ready() {
 torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                           const torch::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
-  const TileShape shape = checked_tiles(x, codes, scale, bias, false);
+  const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kTiles);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)

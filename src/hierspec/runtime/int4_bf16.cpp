@@ -33,6 +33,7 @@ namespace {
 using hierspec_tiles::kBlock;
 using hierspec_tiles::kStep;
 using hierspec_tiles::checked_tiles;
+using hierspec_tiles::CodeLayout;
 using hierspec_tiles::TileShape;
 
 #ifdef HIERSPEC_BF16_TILES
@@ -162,7 +163,7 @@ bool bf16_ready() {
 torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                            const torch::Tensor& bias) {
   TORCH_CHECK(bf16_ready(), "the AVX512-BF16 product is not available in this build");
-  const TileShape shape = checked_tiles(x, codes, scale, bias, true);
+  const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kPairs);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;

@@ -1,4 +1,5 @@
-"""hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``, ``int4_bf16.cpp``) and the int4
+"""hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``, ``int4_bf16.cpp``, ``int4_vnni.cpp``) and
+the int4
 decoder's layer halves around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between those
 products and PyTorch's.
 
@@ -13,7 +14,11 @@ several times one. On CPUs with AMX-BF16 tiles (Intel Xeon from Sapphire Rapids 
 bfloat16) in one tile instruction: a 16-row product takes ~1.4x a one-row one's time. On CPUs with AVX512_BF16 but
 no AMX (AMD Zen 4) the AVX512-BF16 products (:class:`PackedBf16`) decode the same weights once for all rows and
 multiply them by dot-product instructions, 8 rows a pass: a one-row product ~1.4x faster than PyTorch's kernel, a
-16-row one ~1.7x (BENCHMARKS.md, "Twenty-third session"). All four are batch-invariant by construction (see the
+16-row one ~1.7x (BENCHMARKS.md, "Twenty-third session"). On CPUs with AVX512_VNNI (AMD Zen 4, Intel from
+Cascade Lake on) the AVX512-VNNI products (:class:`PackedVnni`) keep the codes as integers and round each row to two
+8-bit codes an input (~15 bits per 32 inputs, closer to float32 than bfloat16 rows): integer dot products need no
+decoding to bfloat16, so a one-row product takes ~0.6x the AVX512-BF16 one's time (BENCHMARKS.md, "Twenty-fourth
+session"). All five are batch-invariant by construction (see the
 sources' headers), so a tree row's products equal the chain's. The layer halves (``rms_norm``,
 ``attention_inputs``, ``mlp_block``) run a layer's small operations from C++, with any kernel's products
 (:mod:`~hierspec.runtime.decoder`).
@@ -44,10 +49,11 @@ from hierspec.storage import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
-#: AMX and AVX512-BF16 products, the compiled layers' exact attention, the verifier's row top-k and the cache's path
+#: AMX, AVX512-BF16 and AVX512-VNNI products, the compiled layers' exact attention, the verifier's row top-k and the cache's path
 #: move
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
            Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_bf16.cpp"),
+           Path(__file__).with_name("int4_vnni.cpp"),
            Path(__file__).with_name("int4_attention.cpp"),
            Path(__file__).with_name("row_topk.cpp"), Path(__file__).with_name("cache_keep.cpp"))
 #: included by the sources: part of what a build depends on
@@ -59,9 +65,9 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 #: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
-KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16")
+KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16", "vnni")
 #: hierspec's own kernels, built here (their cost curves are their own)
-OWN_KERNELS = ("compiled", "amx", "bf16")
+OWN_KERNELS = ("compiled", "amx", "bf16", "vnni")
 #: the kernels ``auto`` chooses among (each where it runs)
 KERNELS = ("torch",) + OWN_KERNELS
 #: row counts the automatic choice times each kernel at: one token, and a small tree
@@ -69,8 +75,9 @@ CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
 #: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
-#: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too); a file of another version is timed again
-CHOICE_VERSION = 4
+#: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too; 5: the AVX512-VNNI ones too); a file of
+#: another version is timed again
+CHOICE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -218,10 +225,66 @@ def _pairs_in_turn(tiles: PackedAmx) -> PackedBf16:
     return PackedBf16(codes, tiles.scales, tiles.bias)
 
 
-def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx | PackedBf16) -> torch.Tensor:
+@dataclass(frozen=True)
+class PackedVnni:
+    """A weight for the AVX512-VNNI products (``int4_vnni.cpp``): each step of 32 inputs as 8 quads of 4 inputs by
+    16 outputs, the byte layout VPDPBUSD reads.
+
+    Attributes:
+        codes: uint8 ``[1, out / 16, in / 32, 4, 16, 4]`` (one 4-bit pass: byte ``(c, n, i)`` of a step holds input
+            ``4c + i`` of output ``n`` in its low nibble and input ``16 + 4c + i`` in its high one) or int8
+            ``[1, out / 16, in / 32, 8, 16, 4]`` (8-bit codes, byte ``(c, n, i)`` input ``4c + i``).
+        scales, bias: as :class:`PackedAmx`'s (the same weights: ``code * scale + bias``, or ``code * scale``).
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor
+
+
+def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
+              ) -> PackedVnni:
+    """The AVX512-VNNI layout of one 4-bit pass (as :func:`pack_amx` takes it).
+
+    Example: output 0 with codes 3 at input 0 and 5 at input 16 packs to byte ``0x53`` (the first of the step).
+    """
+    tiles = pack_amx(codes, scales, zeros)  # checks the pass count; its scale and bias are this layout's
+    (pass_codes,) = codes
+    rows, cols = pass_codes.shape
+    quads = pass_codes.reshape(rows // 16, 16, cols // GROUP, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
+    packed = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [blocks, steps, 4, 16, 4]
+    return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias)
+
+
+def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedVnni:
+    """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs."""
+    rows, cols = codes.shape
+    quads = codes.reshape(rows // 16, 16, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    (scale,) = _stored(_per_block(scales).unsqueeze(0).contiguous())
+    return PackedVnni(quads.unsqueeze(0).contiguous(), scale, torch.empty(0))
+
+
+def vnni_rounded(rows: torch.Tensor) -> torch.Tensor:
+    """float32 ``rows`` ``[m, in]`` as the AVX512-VNNI products take them, in float64: per 32 inputs, with
+    ``d = max |x| / 127``, two 8-bit codes an input, ``high = round(x / d)`` and ``low = round((x - high d) 128 / d)``
+    (ties to even; ``x / d`` as ``x`` times ``1 / d``), for ``x ~ d / 128 (128 high + low)`` within ``d / 256`` —
+    computed in float32 as ``int4_vnni.cpp`` computes them."""
+    steps = rows.float().reshape(rows.shape[0], -1, GROUP)
+    scale = steps.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    high = torch.round(steps * inverse).clamp(-127, 127)
+    rest = (steps.double() - high.double() * scale.double()).float()  # exact in float64, then rounded once
+    low = torch.round(rest * (inverse * 128)).clamp(-127, 127)
+    return ((128 * high.double() + low.double()) * (scale / 128).double()).reshape(rows.shape)
+
+
+def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | PackedAmx | PackedBf16 | PackedVnni
+            ) -> torch.Tensor:
     """``rows`` (float32 ``[m, in]``) times the packed weight, float32 ``[m, out]``."""
     if isinstance(weight, PackedInt8):
         return kernel.int8_mm(rows, weight.codes, weight.scales)
+    if isinstance(weight, PackedVnni):
+        return kernel.int4_vnni_mm(rows, weight.codes, weight.scales, weight.bias)
     if isinstance(weight, PackedBf16):
         return kernel.int4_bf16_mm(rows, weight.codes, weight.scales, weight.bias)
     if isinstance(weight, PackedAmx):
@@ -340,29 +403,55 @@ def bf16_reason() -> str | None:
     return _check_bf16(module)
 
 
+def vnni_reason() -> str | None:
+    """Why the AVX512-VNNI products (``int4_vnni.cpp``) cannot run here — no compiled kernel, a CPU without
+    AVX512_VNNI, wrong products — or ``None`` when they can."""
+    module, reason = compiled_kernel()
+    if module is None:
+        return reason
+    if not module.vnni_ready():
+        return "this CPU has no AVX512_VNNI instructions"
+    return _check_vnni(module)
+
+
+def _as_bfloat16(values: torch.Tensor) -> torch.Tensor:
+    return values.float().bfloat16().double()
+
+
 @functools.lru_cache(maxsize=None)
 def _check_amx(module) -> str | None:
-    """Why the AMX products are wrong or depend on the rows beside them (:func:`_check_bfloat16_products`)."""
-    return _check_bfloat16_products(module, pack_amx, pack_amx_int8, "the AMX products")
+    """Why the AMX products are wrong or depend on the rows beside them (:func:`_check_decoding_products`)."""
+    return _check_decoding_products(module, pack_amx, pack_amx_int8, _as_bfloat16, _as_bfloat16, "the AMX products")
 
 
 @functools.lru_cache(maxsize=None)
 def _check_bf16(module) -> str | None:
     """Why the AVX512-BF16 products are wrong or depend on the rows beside them."""
-    return _check_bfloat16_products(module, pack_bf16, pack_bf16_int8, "the AVX512-BF16 products")
+    return _check_decoding_products(module, pack_bf16, pack_bf16_int8, _as_bfloat16, _as_bfloat16,
+                                    "the AVX512-BF16 products")
 
 
-def _check_bfloat16_products(module, pack4: Callable, pack8: Callable, name: str) -> str | None:
-    """Why a bfloat16 product (``pack4``/``pack8`` its layouts) is wrong (against float64 with the inputs and the
-    decoded weights rounded to bfloat16, as it takes them) or depends on the rows beside them (1, 5 and 17 rows),
-    or ``None``; both forms, with float32 scales and with float16 ones."""
+@functools.lru_cache(maxsize=None)
+def _check_vnni(module) -> str | None:
+    """Why the AVX512-VNNI products are wrong or depend on the rows beside them (their weights exact, their rows
+    rounded by :func:`vnni_rounded`)."""
+    return _check_decoding_products(module, pack_vnni, pack_vnni_int8, vnni_rounded, lambda w: w,
+                                    "the AVX512-VNNI products")
+
+
+def _check_decoding_products(module, pack4: Callable, pack8: Callable, rounded_rows: Callable,
+                             rounded_weights: Callable, name: str) -> str | None:
+    """Why a product of hierspec's tile-decoding kernels (``pack4``/``pack8`` its layouts) is wrong (against float64
+    with the inputs and the decoded weights rounded as it takes them: ``rounded_rows``, ``rounded_weights``) or
+    depends on the rows beside them (1, 5 and 17 rows), or ``None``; both forms, with float32 scales and with float16
+    ones."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = 32, 96
     codes, scales, zeros = _random_passes(generator, out_features, in_features, passes=1)
     signed = torch.randint(-128, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
     signed_scales = torch.rand(out_features, in_features // 16, generator=generator)
     rows = torch.randn(17, in_features, generator=generator)
-    inputs = rows.bfloat16().double()
+    inputs = rounded_rows(rows)
     # eighths and 64ths: scales and folded offsets that float16 holds exactly (packed as float16)
     half_scales = torch.randint(1, 64, scales[0].shape, generator=generator) / 64
     half_zeros = torch.randint(-64, 64, zeros[0].shape, generator=generator) / 8
@@ -370,10 +459,10 @@ def _check_bfloat16_products(module, pack4: Callable, pack8: Callable, name: str
     for scale, zero in ((scales[0], zeros[0]), (half_scales, half_zeros)):
         bias = (zero - 8 * scale).double()  # folded in float32, as the packing does
         four = codes[0].double() * scale.double().repeat_interleave(GROUP, 1) + bias.repeat_interleave(GROUP, 1)
-        cases.append((pack4(codes, [scale], [zero]), inputs @ four.float().bfloat16().double().t()))
+        cases.append((pack4(codes, [scale], [zero]), inputs @ rounded_weights(four).t()))
     for scale in (signed_scales, signed_scales.half().float()):
         eight = signed.double() * scale.double().repeat_interleave(16, 1)
-        cases.append((pack8(signed, scale), inputs @ eight.float().bfloat16().double().t()))
+        cases.append((pack8(signed, scale), inputs @ rounded_weights(eight).t()))
     if [packed.scales.dtype for packed, _ in cases] != [torch.float32, torch.float16] * 2:
         return f"the packing of {name} does not store exact float16 scales as float16"
     for packed, expected in cases:

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace hierspec_tiles {
 
@@ -33,19 +34,38 @@ struct TileShape {
   bool eight, half;  // 8-bit codes; float16 scales and biases
 };
 
-// Checks x (float32 [M, K]), the codes — the AMX layout [1, N / 16, K / 32, 256 or 512] or, with `pairs`, the
-// AVX512-BF16 one [1, N / 16, 8, K / 32, 32 or 64] — and the scales and biases of either form.
+// How a product's codes are laid out (each file's header has the details): the AMX tiles [1, N / 16, K / 32, 256 or
+// 512], the AVX512-BF16 pairs [1, N / 16, 8, K / 32, 32 or 64] or the VNNI quads [1, N / 16, K / 32, 4 or 8, 16, 4]
+enum class CodeLayout { kTiles, kPairs, kQuads };
+
+// Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
 inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                               const torch::Tensor& bias, bool pairs) {
+                               const torch::Tensor& bias, CodeLayout layout) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const bool eight = codes.scalar_type() == torch::kInt8;
   const int64_t step_bytes = eight ? 512 : 256;
-  TORCH_CHECK(codes.dim() == (pairs ? 5 : 4) && (eight || codes.scalar_type() == torch::kUInt8) &&
-                  codes.is_contiguous() && codes.size(0) == 1 &&
-                  (pairs ? codes.size(2) == 8 && codes.size(4) == step_bytes / 8 : codes.size(3) == step_bytes),
-              pairs ? "codes: contiguous uint8 [1, N / 16, 8, K / 32, 32] or int8 [1, N / 16, 8, K / 32, 64]"
-                    : "codes: contiguous uint8 [1, N / 16, K / 32, 256] or int8 [1, N / 16, K / 32, 512]");
-  const int64_t blocks = codes.size(1), steps = codes.size(pairs ? 3 : 2), groups = eight ? 2 * steps : steps;
+  const bool common = (eight || codes.scalar_type() == torch::kUInt8) && codes.is_contiguous() && codes.dim() >= 4 &&
+                      codes.size(0) == 1;
+  bool fits = false;
+  const char* expected = "";
+  switch (layout) {
+    case CodeLayout::kTiles:
+      fits = common && codes.dim() == 4 && codes.size(3) == step_bytes;
+      expected = "codes: contiguous uint8 [1, N / 16, K / 32, 256] or int8 [1, N / 16, K / 32, 512]";
+      break;
+    case CodeLayout::kPairs:
+      fits = common && codes.dim() == 5 && codes.size(2) == 8 && codes.size(4) == step_bytes / 8;
+      expected = "codes: contiguous uint8 [1, N / 16, 8, K / 32, 32] or int8 [1, N / 16, 8, K / 32, 64]";
+      break;
+    case CodeLayout::kQuads:
+      fits = common && codes.dim() == 6 && codes.size(3) == step_bytes / 64 && codes.size(4) == 16 &&
+             codes.size(5) == 4;
+      expected = "codes: contiguous uint8 [1, N / 16, K / 32, 4, 16, 4] or int8 [1, N / 16, K / 32, 8, 16, 4]";
+      break;
+  }
+  TORCH_CHECK(fits, expected);
+  const int64_t blocks = codes.size(1), steps = codes.size(layout == CodeLayout::kPairs ? 3 : 2);
+  const int64_t groups = eight ? 2 * steps : steps;
   TORCH_CHECK(x.size(1) == steps * kStep, "K must match the codes' steps of 32 inputs");
   const bool half = scale.scalar_type() == torch::kHalf;
   TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
@@ -60,8 +80,8 @@ inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& code
 
 }  // namespace hierspec_tiles
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HIERSPEC_BF16_TILES 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HIERSPEC_WIDE_TILES 1
 
 namespace hierspec_tiles {
 
@@ -92,6 +112,30 @@ inline To bits(From v) {
   std::memcpy(&out, &v, sizeof out);
   return out;
 }
+
+// run(weights, eight) with the product's weights, scales and biases of the type they are stored in (float32, or
+// float16 as uint16_t), and whether its codes are 8-bit
+template <class Run>
+void with_scale_type(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
+                     const torch::Tensor& bias, int64_t n, Run run) {
+  auto weights = [&](auto scale_type) {
+    using S = decltype(scale_type);
+    return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
+                    shape.eight ? nullptr : static_cast<const S*>(bias.data_ptr()), shape.steps, shape.groups,
+                    shape.blocks, n};
+  };
+  if (shape.half) run(weights(uint16_t{}), shape.eight);
+  else run(weights(float{}), shape.eight);
+}
+
+}  // namespace hierspec_tiles
+
+#endif  // AVX512F and AVX512-BW
+
+#if defined(HIERSPEC_WIDE_TILES) && defined(__AVX512BF16__)
+#define HIERSPEC_BF16_TILES 1
+
+namespace hierspec_tiles {
 
 // The 4-bit form: step g of a block is scale group g.
 template <typename S>
@@ -184,23 +228,17 @@ struct EightBit {
   }
 };
 
-// run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights, scales and biases of the type
-// they are stored in (float32, or float16 as uint16_t)
+// run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights (with_scale_type)
 template <class Run>
 void with_form(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
                const torch::Tensor& bias, int64_t n, Run run) {
-  auto weights = [&](auto scale_type) {
-    using S = decltype(scale_type);
-    return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
-                    shape.eight ? nullptr : static_cast<const S*>(bias.data_ptr()), shape.steps, shape.groups,
-                    shape.blocks, n};
-  };
-  if (shape.eight && shape.half) run(EightBit<uint16_t>{}, weights(uint16_t{}));
-  else if (shape.eight) run(EightBit<float>{}, weights(float{}));
-  else if (shape.half) run(FourBit<uint16_t>{}, weights(uint16_t{}));
-  else run(FourBit<float>{}, weights(float{}));
+  with_scale_type(shape, codes, scale, bias, n, [&](const auto& weights, bool eight) {
+    using S = typename std::remove_cv_t<std::remove_pointer_t<decltype(weights.scale)>>;
+    if (eight) run(EightBit<S>{}, weights);
+    else run(FourBit<S>{}, weights);
+  });
 }
 
 }  // namespace hierspec_tiles
 
-#endif  // AVX512-BF16 and AVX512-BW
+#endif  // AVX512-BF16

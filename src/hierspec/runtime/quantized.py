@@ -244,10 +244,11 @@ def kernel_reason() -> str | None:
 
 @dataclass(frozen=True)
 class Int4Kernels:
-    """Which kernel multiplies each form of a GGUF weight, ``"compiled"``, ``"torch"``, ``"amx"`` or ``"bf16"``:
+    """Which kernel multiplies each form of a GGUF weight, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"`` or
+    ``"vnni"``:
     ``four_bit`` for ``Q4_0``, ``Q4_1``, ``Q4_K`` (one 4-bit pass) and ``Q8_0`` (two; PyTorch's passes and the
     compiled 8-bit product stream the same bytes, and on SmolLM2's head the compiled one measured 2.5–4.5 % slower end
-    to end on an Intel Xeon; the AMX and AVX512-BF16 products take it as 8-bit codes), and ``eight_bit`` for ``Q6_K``
+    to end on an Intel Xeon; the AMX, AVX512-BF16 and AVX512-VNNI products take it as 8-bit codes), and ``eight_bit`` for ``Q6_K``
     (four passes for PyTorch's kernel, ~2.5 bytes a weight, against the 8-bit products' 1.25)."""
 
     four_bit: str
@@ -255,10 +256,12 @@ class Int4Kernels:
 
 
 #: each compiled kernel's layout of one 4-bit pass and of 8-bit codes
-_FOUR_BIT_PACKS = {"compiled": int4_kernel.pack_passes, "amx": int4_kernel.pack_amx, "bf16": int4_kernel.pack_bf16}
+_FOUR_BIT_PACKS = {"compiled": int4_kernel.pack_passes, "amx": int4_kernel.pack_amx, "bf16": int4_kernel.pack_bf16,
+                   "vnni": int4_kernel.pack_vnni}
 _EIGHT_BIT_PACKS = {"compiled": int4_kernel.PackedInt8, "amx": int4_kernel.pack_amx_int8,
-                    "bf16": int4_kernel.pack_bf16_int8}
-_COMPILED_LAYOUTS = (int4_kernel.PackedInt4, int4_kernel.PackedInt8, int4_kernel.PackedAmx, int4_kernel.PackedBf16)
+                    "bf16": int4_kernel.pack_bf16_int8, "vnni": int4_kernel.pack_vnni_int8}
+_COMPILED_LAYOUTS = (int4_kernel.PackedInt4, int4_kernel.PackedInt8, int4_kernel.PackedAmx, int4_kernel.PackedBf16,
+                     int4_kernel.PackedVnni)
 
 
 class Int4Projection:
@@ -269,7 +272,8 @@ class Int4Projection:
     A stack runs on one kernel for every row count (see :class:`Int4Kernels` and :func:`resolve_kernel`): the
     compiled one (:mod:`~hierspec.runtime.int4_kernel`: float32 rows and scales; a ``Q8_0``/``Q6_K`` weight as signed
     8-bit codes with a scale per 16 inputs), the AMX or the AVX512-BF16 one (bfloat16 rows, float32 scales — float16
-    where exact; ``Q8_0``/``Q6_K`` as 8-bit codes too) or PyTorch's (bfloat16 rows and scales, one call per 4-bit
+    where exact; ``Q8_0``/``Q6_K`` as 8-bit codes too), the AVX512-VNNI one (the same weights, rows as two 8-bit codes
+    an input) or PyTorch's (bfloat16 rows and scales, one call per 4-bit
     pass). Call it like :class:`~hierspec.runtime.decoder.Projection`; ``packed`` is true (one tensor for all
     members).
     """
@@ -287,7 +291,8 @@ class Int4Projection:
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
         #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]``, the
-        #: AVX512-BF16 ``[5-D codes, scales, bias]`` or PyTorch's ``[packed, table]`` per pass
+        #: AVX512-BF16 ``[5-D codes, scales, bias]``, the AVX512-VNNI ``[6-D codes, scales, bias]`` or PyTorch's
+        #: ``[packed, table]`` per pass
         self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
                        else [stack.codes, stack.scales, stack.bias] if isinstance(stack, _COMPILED_LAYOUTS)
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
@@ -344,7 +349,7 @@ except AttributeError:  # a PyTorch without it: kernel_reason() says so and the 
 
 def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None]:
     """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"``,
-    ``"torch"``, ``"amx"`` or ``"bf16"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: every one)
+    ``"torch"``, ``"amx"``, ``"bf16"`` or ``"vnni"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: every one)
     cannot run here.
 
     A kernel's name runs both forms on it. ``auto`` takes the only one that works, or, when several do, the faster
@@ -354,7 +359,7 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
     if choice not in int4_kernel.KERNEL_CHOICES:
         raise ValueError(f"unknown int4 kernel {choice!r}: use {', '.join(int4_kernel.KERNEL_CHOICES)}")
     reasons = {"torch": kernel_reason, "compiled": lambda: int4_kernel.compiled_kernel()[1],
-               "amx": int4_kernel.amx_reason, "bf16": int4_kernel.bf16_reason}
+               "amx": int4_kernel.amx_reason, "bf16": int4_kernel.bf16_reason, "vnni": int4_kernel.vnni_reason}
     if choice != "auto":
         reason = reasons[choice]()
         return (None, reason) if reason else (Int4Kernels(choice, choice), None)

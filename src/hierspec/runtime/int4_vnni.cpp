@@ -1,0 +1,266 @@
+// hierspec's quantized products on AVX512-VNNI integer dot products (AMD Zen 4, Intel from Cascade Lake on): the
+// codes stay integers, and each row is rounded to two 8-bit codes an input, ~15 bits per 32 inputs (closer to float32
+// than bfloat16's 8-bit significands).
+//
+// Decoding a code to a bfloat16 weight (int4_bf16.cpp) costs more than multiplying it: on a Zen 4 one row's product
+// is bound by the decoding. Here 4-bit codes are only masked out of their bytes and 8-bit ones taken as they are;
+// VPDPBUSD multiplies 64 of them by 4 of a row's codes at once, accumulating in int32 exactly, and the scales (the
+// weights' and the row's) are applied once per 32 inputs in float32.
+//
+// Layout (PackedVnni in int4_kernel.py), a step being 32 inputs of a block of 16 outputs, a quad 4 inputs:
+//   4-bit: codes uint8 [1, N / 16, K / 32, 4, 16, 4]: byte (c, n, i) of a step holds the code of output 16 b + n at
+//     input 32 s + 4 c + i in its low nibble and at input 32 s + 16 + 4 c + i in its high one; w = code scale + bias
+//     with scale [1, N / 16, K / 32, 16] and bias [N / 16, K / 32, 16] (the tile layout's, int4_tiles.h).
+//   8-bit: codes int8 [1, N / 16, K / 32, 8, 16, 4]: byte (c, n, i) the signed code of output 16 b + n at input
+//     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. The codes run as unsigned bytes code + 128,
+//     and each 16 inputs' sum of 128 x the row's codes is taken back in int32.
+// A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
+//   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
+// each integer sum as 128 times the high codes' dot plus the low codes' one.
+//
+// Batch invariance: a row's codes and every (row, output) sum depend on that row alone, in one fixed order, whatever
+// the number of rows, how they are grouped into passes or how the blocks are split between threads
+// (tests/test_int4_kernel.py).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "int4_tiles.h"
+
+#if defined(HIERSPEC_WIDE_TILES) && defined(__AVX512VNNI__)
+#define HIERSPEC_VNNI 1
+#endif
+
+namespace {
+
+using hierspec_tiles::checked_tiles;
+using hierspec_tiles::CodeLayout;
+using hierspec_tiles::kBlock;
+using hierspec_tiles::kStep;
+using hierspec_tiles::TileShape;
+
+#ifdef HIERSPEC_VNNI
+using hierspec_tiles::Tiles;
+using hierspec_tiles::with_scale_type;
+
+constexpr int kQuads = 8;         // a step's quads of 4 inputs
+constexpr int kRowsPerPass = 8;   // an accumulator a row beside a step's 8 quads and its scales
+constexpr int64_t kGrain = 4;     // blocks of outputs a thread takes at least
+
+// A row's step of 32 inputs as two 8-bit codes an input: x ~ e (128 high + low)
+struct RowStep {
+  float scale;          // e = d / 128
+  float sum;            // the sum of 128 high + low over the 32 inputs
+  int32_t low, high;    // -128 x that sum over inputs 0..15 and over 16..31
+};
+
+// A product's rows as codes [rows, K / 32, 2, 32] (a step's 32 high codes, then its 32 low ones) and their steps'
+// scales [rows, K / 32]
+struct Rows {
+  const int8_t* codes;
+  const RowStep* steps;
+  int64_t steps_per_row;
+};
+
+// 16 inputs' high and low codes (see rounded_rows), kept within +-127
+inline void split(__m512 x, __m512 d, __m512 inverse, __m512i& high, __m512i& low) {
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  high = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse))));
+  const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), d, x);  // x - high d, rounded once
+  low = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(
+                                     _mm512_mul_ps(rest, _mm512_mul_ps(inverse, _mm512_set1_ps(128.f))))));
+}
+
+// x [rows, k] (k a multiple of 32) as two 8-bit codes an input, per step of 32 inputs: d = max |x| / 127,
+// high = round(x / d), low = round((x - high d) 128 / d) (each rounded as the MXCSR rounds: to nearest, ties to even;
+// x / d as x times 1 / d; |low| <= 64), so that x ~ d / 128 (128 high + low), within d / 256
+void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& codes, std::vector<RowStep>& steps) {
+  codes.resize(static_cast<size_t>(2 * rows * k));
+  steps.resize(static_cast<size_t>(rows * k / kStep));
+  for (int64_t i = 0; i < rows * k / kStep; ++i) {
+    const __m512 a = _mm512_loadu_ps(x + kStep * i), b = _mm512_loadu_ps(x + kStep * i + 16);
+    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = largest / 127.f;
+    const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    __m512i high_a, low_a, high_b, low_b;
+    split(a, _mm512_set1_ps(d), inverse, high_a, low_a);
+    split(b, _mm512_set1_ps(d), inverse, high_b, low_b);
+    int8_t* out = codes.data() + 2 * kStep * i;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high_a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm512_cvtepi32_epi8(low_a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 48), _mm512_cvtepi32_epi8(low_b));
+    const int32_t first = 128 * _mm512_reduce_add_epi32(high_a) + _mm512_reduce_add_epi32(low_a);
+    const int32_t second = 128 * _mm512_reduce_add_epi32(high_b) + _mm512_reduce_add_epi32(low_b);
+    steps[static_cast<size_t>(i)] = {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
+  }
+}
+
+// 16 scales (or biases) as float32
+inline __m512 sixteen(const float* values) { return _mm512_loadu_ps(values); }
+inline __m512 sixteen(const uint16_t* values) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
+}
+
+// a row's 4 codes of quad c, in every lane
+inline __m512i quad_of(const int8_t* codes, int c) {
+  int32_t four;
+  std::memcpy(&four, codes + 4 * c, sizeof four);
+  return _mm512_set1_epi32(four);
+}
+
+// The 4-bit form: step s of a block is scale group s.
+template <typename S>
+struct FourBit {
+  static constexpr int64_t kStepBytes = 256;
+  struct Scales {
+    __m512 scale, bias;
+  };
+
+  static Scales scales_of(const Tiles<S>& w, int64_t block, int64_t s) {
+    const int64_t at = (block * w.groups + s) * kBlock;
+    return {sixteen(w.scale + at), sixteen(w.bias + at)};
+  }
+
+  // a step's quads as unsigned bytes [16 outputs x 4 inputs]: quads c and c + 4 from chunk c's low and high nibbles
+  static void decode(const uint8_t* src, __m512i quads[kQuads]) {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i bytes = _mm512_loadu_si512(src + 64 * c);
+      quads[c] = _mm512_and_si512(bytes, nibble);
+      quads[c + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    }
+  }
+
+  static __m512 row(const __m512i quads[kQuads], const int8_t* codes, const RowStep& step, const Scales& w,
+                    __m512 acc) {
+    __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+    for (int c = 0; c < kQuads; ++c) {
+      high = _mm512_dpbusd_epi32(high, quads[c], quad_of(codes, c));
+      low = _mm512_dpbusd_epi32(low, quads[c], quad_of(codes + kStep, c));
+    }
+    const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low));
+    const __m512 part = _mm512_fmadd_ps(w.bias, _mm512_set1_ps(step.sum), _mm512_mul_ps(dots, w.scale));
+    return _mm512_fmadd_ps(part, _mm512_set1_ps(step.scale), acc);
+  }
+};
+
+// The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
+template <typename S>
+struct EightBit {
+  static constexpr int64_t kStepBytes = 512;
+  struct Scales {
+    __m512 low, high;
+  };
+
+  static Scales scales_of(const Tiles<S>& w, int64_t block, int64_t s) {
+    const int64_t at = (block * w.groups + 2 * s) * kBlock;
+    return {sixteen(w.scale + at), sixteen(w.scale + at + kBlock)};
+  }
+
+  // a step's quads as unsigned bytes code + 128
+  static void decode(const uint8_t* src, __m512i quads[kQuads]) {
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < kQuads; ++c) quads[c] = _mm512_xor_si512(_mm512_loadu_si512(src + 64 * c), offset);
+  }
+
+  static __m512 row(const __m512i quads[kQuads], const int8_t* codes, const RowStep& step, const Scales& w,
+                    __m512 acc) {
+    // each group's dot of the high codes, and of the low ones with the offset taken back
+    __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i low[2] = {_mm512_set1_epi32(step.low), _mm512_set1_epi32(step.high)};
+    for (int c = 0; c < kQuads; ++c) {
+      high[c / 4] = _mm512_dpbusd_epi32(high[c / 4], quads[c], quad_of(codes, c));
+      low[c / 4] = _mm512_dpbusd_epi32(low[c / 4], quads[c], quad_of(codes + kStep, c));
+    }
+    const __m512 first = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[0], 7), low[0]));
+    const __m512 second = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[1], 7), low[1]));
+    const __m512 part = _mm512_fmadd_ps(second, w.high, _mm512_mul_ps(first, w.low));
+    return _mm512_fmadd_ps(part, _mm512_set1_ps(step.scale), acc);
+  }
+};
+
+// outputs of one block for rows r0 .. r0 + MT into out [rows, N]
+template <int MT, class Form, typename S>
+void block_rows(const Tiles<S>& w, const Rows& x, int64_t block, int64_t r0, float* out) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
+  for (int64_t s = 0; s < w.steps; ++s) {
+    __m512i quads[kQuads];
+    Form::decode(codes + s * Form::kStepBytes, quads);
+    const auto scales = Form::scales_of(w, block, s);
+    for (int m = 0; m < MT; ++m) {
+      const int64_t r = r0 + m;
+      const int64_t at = r * x.steps_per_row + s;
+      acc[m] = Form::row(quads, x.codes + 2 * kStep * at, x.steps[at], scales, acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r0 + m) * w.n + block * kBlock, acc[m]);
+}
+
+template <class Form, typename S>
+void block_all_rows(const Tiles<S>& w, const Rows& x, int64_t rows, int64_t block, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
+      case 8: block_rows<8, Form>(w, x, block, r0, out); break;
+      case 7: block_rows<7, Form>(w, x, block, r0, out); break;
+      case 6: block_rows<6, Form>(w, x, block, r0, out); break;
+      case 5: block_rows<5, Form>(w, x, block, r0, out); break;
+      case 4: block_rows<4, Form>(w, x, block, r0, out); break;
+      case 3: block_rows<3, Form>(w, x, block, r0, out); break;
+      case 2: block_rows<2, Form>(w, x, block, r0, out); break;
+      default: block_rows<1, Form>(w, x, block, r0, out); break;
+    }
+  }
+}
+
+#endif  // HIERSPEC_VNNI
+
+}  // namespace
+
+// Whether this build can run the AVX512-VNNI products (compiled for a CPU with AVX512_VNNI and AVX512_BW).
+bool vnni_ready() {
+#ifdef HIERSPEC_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
+// (8-bit form); scale: float32 or float16 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: the scale's
+// dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
+torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& bias) {
+  TORCH_CHECK(vnni_ready(), "the AVX512-VNNI product is not available in this build");
+  const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kQuads);
+  const int64_t rows = x.size(0), n = shape.blocks * kBlock;
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+#ifdef HIERSPEC_VNNI
+  thread_local std::vector<int8_t> row_codes;
+  thread_local std::vector<RowStep> row_steps;
+  rounded_rows(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
+  const Rows inputs{row_codes.data(), row_steps.data(), shape.steps};
+  float* results = out.data_ptr<float>();
+  with_scale_type(shape, codes, scale, bias, n, [&](const auto& weights, bool eight) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(weights.scale)>>;
+    at::parallel_for(0, weights.blocks, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t block = begin; block < end; ++block) {
+        if (eight) block_all_rows<EightBit<S>>(weights, inputs, rows, block, results);
+        else block_all_rows<FourBit<S>>(weights, inputs, rows, block, results);
+      }
+    });
+  });
+#endif
+  return out;
+}
