@@ -196,6 +196,51 @@ def test_the_avx512_vnni_products_round_each_row_to_15_bits_per_32_inputs_as_vnn
     assert (got != rows).any()
 
 
+@needs_vnni
+@pytest.mark.parametrize("eight", [False, True], ids=["q4_k", "q6_k"])
+def test_avx512_vnni_products_with_factored_scales_equal_those_with_the_scales_stored_whole(eight):
+    """K-quant scales as a byte per group and output times a float32 unit per 256 inputs: the same weights, so the
+    same products bit for bit, for any number of rows; the packing keeps the steps and units per block of 16 outputs."""
+    generator = torch.Generator().manual_seed(13)
+    factors, scales, zeros = k.random_factors(generator, 48, 768, eight)
+    if eight:
+        signed = torch.randint(-128, 128, (48, 768), generator=generator, dtype=torch.int8)
+        factored, whole = k.pack_vnni_int8(signed, scales, factors), k.pack_vnni_int8(signed, scales)
+        assert factored.units.shape == (1, 3, 3, 16) and factored.scales.dtype == torch.int8 and not factored.bias.numel()
+    else:
+        codes = torch.randint(0, 16, (48, 768), generator=generator, dtype=torch.uint8)
+        factored, whole = (k.pack_vnni([codes], [scales], [zeros], factors=factors),
+                           k.pack_vnni([codes], [scales], [zeros]))
+        assert factored.units.shape == (2, 3, 3, 16) and factored.bias.dtype == torch.uint8
+        assert torch.equal(factored.units[1, 2, 1], factors.offset_units[32:48, 1])  # block 2, super-block 1
+    assert factored.scales.shape == whole.scales.shape and torch.equal(factored.codes, whole.codes)
+    assert torch.equal(factored.scales[0, 1, 5], factors.steps[16:32, 5])  # block 1, group 5: outputs 16..31
+    rows = torch.randn(19, 768, generator=generator)
+    for count in (1, 8, 9, 19):
+        got = k.int4_mm(MODULE, rows[:count].contiguous(), factored)
+        assert torch.equal(got, k.int4_mm(MODULE, rows[:count].contiguous(), whole)), count
+        assert got.abs().max() > 0
+
+
+@needs_vnni
+def test_avx512_vnni_products_refuse_factored_scales_of_the_wrong_shape_or_dtype():
+    generator = torch.Generator().manual_seed(14)
+    factors, scales, zeros = k.random_factors(generator, 16, 256, eight=False)
+    codes = torch.randint(0, 16, (16, 256), generator=generator, dtype=torch.uint8)
+    packed = k.pack_vnni([codes], [scales], [zeros], factors=factors)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="units"):
+        k.int4_mm(MODULE, x, k.PackedVnni(packed.codes, packed.scales, packed.bias, packed.units[:1].contiguous()))
+    with pytest.raises(RuntimeError, match="factored scale"):
+        k.int4_mm(MODULE, x, k.PackedVnni(packed.codes, packed.scales.to(torch.int8), packed.bias, packed.units))
+    with pytest.raises(RuntimeError, match="factored bias"):
+        k.int4_mm(MODULE, x, k.PackedVnni(packed.codes, packed.scales, packed.bias.float(), packed.units))
+    short = k.pack_vnni([codes[:, :224].contiguous()], [scales[:, :7].contiguous()], [zeros[:, :7].contiguous()])
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        k.int4_mm(MODULE, x[:, :224].contiguous(), k.PackedVnni(short.codes, packed.scales[:, :, :7].contiguous(),
+                                                                packed.bias[:, :7].contiguous(), packed.units))
+
+
 def test_amx_packing_keeps_scales_in_float16_only_where_every_value_is_exactly_one():
     codes = torch.zeros(16, 64, dtype=torch.uint8)
     exact = k.pack_amx([codes], [torch.full((16, 2), 0.375)], [torch.full((16, 2), 5.0)])  # bias 5 - 8 * 0.375 = 2
@@ -334,7 +379,7 @@ def test_decoding_products_that_are_wrong_or_missing_are_reported(monkeypatch):
             return torch.zeros(rows.shape[0], codes.shape[1] * 16)
 
         @staticmethod
-        def int4_vnni_mm(rows, codes, scales, bias):
+        def int4_vnni_mm(rows, codes, scales, bias, units):
             return torch.zeros(rows.shape[0], codes.shape[1] * 16)
 
     assert k._check_amx(Wrong()) == "the AMX products compute wrong products"

@@ -65,6 +65,36 @@ def test_k_quant_blocks_decode_to_gguf_dequantization_bit_for_bit(kind):
     assert torch.equal(sum(p.dequantize() for p in passes), torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])))
 
 
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_k_quant_scale_factors_are_the_files_units_and_steps_and_multiply_back_to_the_scales_exactly(kind):
+    """``Q4_K``: scale = d sc per 32 inputs and the folded offset zero - 8 scale = -dmin m (within the fold's
+    rounding); ``Q6_K``: the 8-bit form's scale per 16 = d sc. Rows reordered keep their factors."""
+    rng = np.random.default_rng(3)
+    raw = random_k_blocks(kind, 32, 512, rng)
+    passes = q.decode_blocks(kind, raw, 32, 512)
+    factors = passes[0].factors
+    assert all(p.factors is factors for p in passes)
+    assert factors.units.dtype == torch.float32 and factors.units.shape == (32, 2)
+    blocks = raw.reshape(32, 2, -1)
+    d = torch.from_numpy(blocks[..., -2:].copy().view(np.float16)[..., 0].astype(np.float32)) if kind == "Q6_K" \
+        else torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    assert torch.equal(factors.units, d)
+    if kind == "Q4_K":
+        assert factors.steps.dtype == factors.offset_steps.dtype == torch.uint8 and int(factors.steps.max()) <= 63
+        scales = factors.units.repeat_interleave(8, 1) * factors.steps
+        assert torch.equal(scales, passes[0].scales)
+        offsets = factors.offset_units.repeat_interleave(8, 1) * factors.offset_steps
+        assert torch.allclose(offsets, passes[0].zeros - 8 * passes[0].scales, rtol=0, atol=1e-6)
+        assert (factors.offset_units < 0).all()
+    else:
+        assert factors.steps.dtype == torch.int8 and factors.offset_units is None and factors.offset_steps is None
+        _, scales = q.as_int8(passes)
+        assert torch.equal(factors.units.repeat_interleave(16, 1) * factors.steps, scales)
+    order = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    moved = passes[0].take_rows(order).factors
+    assert torch.equal(moved.units, factors.units[order]) and torch.equal(moved.steps, factors.steps[order])
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
 def test_eight_bit_weights_rebuild_exactly_from_their_passes(kind):
     """The compiled kernel's 8-bit form (signed codes, a scale per 16 inputs) is the file's weight bit for bit."""
@@ -445,6 +475,7 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
     for name in first:
         for a, b in zip(first[name], second[name]):
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+            assert a.factors is b.factors is None  # Q4_1 and Q8_0 weights have none
     cache.write_bytes(b"\x00" * 64)
     third, _ = q.load_gguf_weights(path, model.config, cache_dir)
     assert "rebuilding the damaged int4 weight cache" in caplog.text
@@ -460,6 +491,46 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
     for name in first:
         for a, b in zip(first[name], fourth[name]):
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+
+
+def test_a_k_quant_files_scale_factors_are_cached_with_its_passes(tmp_path):
+    model, path = _tiny_k_quant(tmp_path)
+    first, _ = q.load_gguf_weights(path, model.config, tmp_path)
+    again, _ = q.load_gguf_weights(path, model.config, tmp_path)  # from the cache
+    assert (tmp_path / q.CACHE_FILE).is_file()
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "lm_head"):
+        for a, b in zip(first[name], again[name]):
+            assert a.factors is not None and b.factors is not None, name
+            for x, y in zip(a.factors.parts(), b.factors.parts()):
+                assert (x is None and y is None) or torch.equal(x, y), name
+
+
+def _bytes(packed) -> int:
+    return sum(t.numel() * t.element_size() for t in (packed.codes, packed.scales, packed.bias, packed.units))
+
+
+def test_the_vnni_kernel_reads_a_k_quant_files_scales_factored_with_the_same_products(tmp_path):
+    """With the AVX512-VNNI products a ``Q4_K``/``Q6_K`` stack keeps a byte per scale (and offset) and a unit per
+    256 inputs instead of float32 scales: the same weights, so the same products as the scales stored whole."""
+    kernels, reason = q.resolve_kernel("vnni")
+    if kernels is None:
+        pytest.skip(reason)
+    model, path = _tiny_k_quant(tmp_path)
+    weights, _ = q.read_gguf_weights(path, model.config)
+    rows = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj", "model.layers.0.mlp.up_proj"):
+        projection = q.Int4Projection([weights[name]], [None], kernel="vnni")
+        (stack,) = projection.stacks
+        assert stack.units.numel() > 0 and stack.scales.dtype in (torch.uint8, torch.int8), name
+        whole = q.Int4Projection([[q.Int4Weight(p.codes, p.scales, p.zeros) for p in weights[name]]], [None],
+                                 kernel="vnni")
+        assert whole.stacks[0].units.numel() == 0
+        assert _bytes(stack) < 0.9 * _bytes(whole.stacks[0]), name
+        got, expected = projection(rows)[0], whole(rows)[0]
+        if name.endswith("v_proj"):  # Q6_K: scales d sc exactly, so the very same products
+            assert torch.equal(got, expected), name
+        else:  # Q4_K: offsets -dmin m exactly, against zero - 8 scale folded in float32
+            assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), name
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -257,7 +257,7 @@ torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, c
 // int4_vnni.cpp
 bool vnni_ready();
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias);
+                           const torch::Tensor& bias, const torch::Tensor& units);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");

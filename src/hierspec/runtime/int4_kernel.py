@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -155,10 +155,10 @@ class PackedAmx:
     bias: torch.Tensor
 
 
-def _per_block(values: torch.Tensor) -> torch.Tensor:
-    """Per-output, per-group values ``[out, groups]`` as ``[out / 16, groups, 16]``."""
+def _per_block(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-output, per-group values ``[out, groups]`` as ``[out / 16, groups, 16]`` of ``dtype``."""
     rows, groups = values.shape
-    return values.reshape(rows // 16, 16, groups).permute(0, 2, 1).float().contiguous()
+    return values.reshape(rows // 16, 16, groups).permute(0, 2, 1).to(dtype).contiguous()
 
 
 def _stored(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -234,17 +234,24 @@ class PackedVnni:
         codes: uint8 ``[1, out / 16, in / 32, 4, 16, 4]`` (one 4-bit pass: byte ``(c, n, i)`` of a step holds input
             ``4c + i`` of output ``n`` in its low nibble and input ``16 + 4c + i`` in its high one) or int8
             ``[1, out / 16, in / 32, 8, 16, 4]`` (8-bit codes, byte ``(c, n, i)`` input ``4c + i``).
-        scales, bias: as :class:`PackedAmx`'s (the same weights: ``code * scale + bias``, or ``code * scale``).
+        scales, bias: as :class:`PackedAmx`'s (the same weights: ``code * scale + bias``, or ``code * scale``); or,
+            with ``units``, a K-quant weight's integer steps: uint8 ``[1, out / 16, in / 32, 16]`` and uint8
+            ``[out / 16, in / 32, 16]`` (``Q4_K``), int8 ``[1, out / 16, in / 16, 16]`` and empty (``Q6_K``).
+        units: empty, or float32 ``[2, out / 16, in / 256, 16]`` (the scales' units, then the offsets') or
+            ``[1, out / 16, in / 256, 16]``: each scale (offset) is its step times its output's unit for its 256
+            inputs (:class:`~hierspec.runtime.quantized.ScaleFactors`).
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor
+    units: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
-def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]
-              ) -> PackedVnni:
-    """The AVX512-VNNI layout of one 4-bit pass (as :func:`pack_amx` takes it).
+def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor],
+              factors=None) -> PackedVnni:
+    """The AVX512-VNNI layout of one 4-bit pass (as :func:`pack_amx` takes it), with the scales and folded offsets
+    as ``factors`` give them (a ``Q4_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given.
 
     Example: output 0 with codes 3 at input 0 and 5 at input 16 packs to byte ``0x53`` (the first of the step).
     """
@@ -253,15 +260,23 @@ def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zer
     rows, cols = pass_codes.shape
     quads = pass_codes.reshape(rows // 16, 16, cols // GROUP, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     packed = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [blocks, steps, 4, 16, 4]
-    return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias)
+    if factors is None:
+        return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias)
+    units = torch.stack((_per_block(factors.units), _per_block(factors.offset_units))).contiguous()
+    return PackedVnni(packed.unsqueeze(0).contiguous(), _per_block(factors.steps, torch.uint8).unsqueeze(0),
+                      _per_block(factors.offset_steps, torch.uint8), units)
 
 
-def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedVnni:
-    """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs."""
+def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None) -> PackedVnni:
+    """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs, as ``factors`` give
+    them (a ``Q6_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given."""
     rows, cols = codes.shape
-    quads = codes.reshape(rows // 16, 16, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    quads = codes.reshape(rows // 16, 16, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4).unsqueeze(0).contiguous()
+    if factors is not None:
+        return PackedVnni(quads, _per_block(factors.steps, torch.int8).unsqueeze(0), torch.empty(0),
+                          _per_block(factors.units).unsqueeze(0).contiguous())
     (scale,) = _stored(_per_block(scales).unsqueeze(0).contiguous())
-    return PackedVnni(quads.unsqueeze(0).contiguous(), scale, torch.empty(0))
+    return PackedVnni(quads, scale, torch.empty(0))
 
 
 def vnni_rounded(rows: torch.Tensor) -> torch.Tensor:
@@ -284,7 +299,7 @@ def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | Packed
     if isinstance(weight, PackedInt8):
         return kernel.int8_mm(rows, weight.codes, weight.scales)
     if isinstance(weight, PackedVnni):
-        return kernel.int4_vnni_mm(rows, weight.codes, weight.scales, weight.bias)
+        return kernel.int4_vnni_mm(rows, weight.codes, weight.scales, weight.bias, weight.units)
     if isinstance(weight, PackedBf16):
         return kernel.int4_bf16_mm(rows, weight.codes, weight.scales, weight.bias)
     if isinstance(weight, PackedAmx):
@@ -434,9 +449,44 @@ def _check_bf16(module) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _check_vnni(module) -> str | None:
     """Why the AVX512-VNNI products are wrong or depend on the rows beside them (their weights exact, their rows
-    rounded by :func:`vnni_rounded`)."""
-    return _check_decoding_products(module, pack_vnni, pack_vnni_int8, vnni_rounded, lambda w: w,
-                                    "the AVX512-VNNI products")
+    rounded by :func:`vnni_rounded`), or differ with factored scales from the same scales stored whole."""
+    return (_check_decoding_products(module, pack_vnni, pack_vnni_int8, vnni_rounded, lambda w: w,
+                                     "the AVX512-VNNI products") or _check_vnni_factors(module))
+
+
+def random_factors(generator: torch.Generator, out_features: int, in_features: int, eight: bool):
+    """Random K-quant scale factors (``Q6_K``'s with ``eight``, else ``Q4_K``'s) of small dyadic units, so that
+    every scale, offset and folded zero is exact in float32; with the scales and zeros they stand for."""
+    from hierspec.runtime.quantized import ScaleFactors
+
+    supers = in_features // 256
+    units = torch.randint(1, 64, (out_features, supers), generator=generator) / 64
+    if eight:
+        steps = torch.randint(-128, 128, (out_features, in_features // 16), generator=generator, dtype=torch.int8)
+        return ScaleFactors(units, steps), units.repeat_interleave(16, 1) * steps, None
+    steps = torch.randint(0, 64, (out_features, in_features // GROUP), generator=generator, dtype=torch.uint8)
+    offset_units = -torch.randint(1, 64, (out_features, supers), generator=generator) / 64
+    offset_steps = torch.randint(0, 64, (out_features, in_features // GROUP), generator=generator, dtype=torch.uint8)
+    scales = units.repeat_interleave(8, 1) * steps
+    zeros = offset_units.repeat_interleave(8, 1) * offset_steps + 8 * scales
+    return ScaleFactors(units, steps, offset_units, offset_steps), scales, zeros
+
+
+def _check_vnni_factors(module) -> str | None:
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(5, 512, generator=generator)
+    codes = torch.randint(0, 16, (32, 512), generator=generator, dtype=torch.uint8)
+    signed = torch.randint(-128, 128, (32, 512), generator=generator, dtype=torch.int8)
+    four, scales, zeros = random_factors(generator, 32, 512, eight=False)
+    eight, signed_scales, _ = random_factors(generator, 32, 512, eight=True)
+    pairs = ((pack_vnni([codes], [scales], [zeros], factors=four), pack_vnni([codes], [scales], [zeros])),
+             (pack_vnni_int8(signed, signed_scales, eight), pack_vnni_int8(signed, signed_scales)))
+    try:
+        same = all(torch.equal(int4_mm(module, rows, factored), int4_mm(module, rows, whole))
+                   for factored, whole in pairs)
+    except RuntimeError as exc:
+        return f"the AVX512-VNNI products with factored scales fail ({_first_line(exc)})"
+    return None if same else "the AVX512-VNNI products with factored scales differ from the same scales stored whole"
 
 
 def _check_decoding_products(module, pack4: Callable, pack8: Callable, rounded_rows: Callable,

@@ -38,9 +38,8 @@ struct TileShape {
 // 512], the AVX512-BF16 pairs [1, N / 16, 8, K / 32, 32 or 64] or the VNNI quads [1, N / 16, K / 32, 4 or 8, 16, 4]
 enum class CodeLayout { kTiles, kPairs, kQuads };
 
-// Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
-inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                               const torch::Tensor& bias, CodeLayout layout) {
+// Checks x (float32 [M, K]) and the codes in `layout`: the shape they give (`half` unset).
+inline TileShape checked_codes(const torch::Tensor& x, const torch::Tensor& codes, CodeLayout layout) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   const bool eight = codes.scalar_type() == torch::kInt8;
   const int64_t step_bytes = eight ? 512 : 256;
@@ -67,7 +66,15 @@ inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& code
   const int64_t blocks = codes.size(1), steps = codes.size(layout == CodeLayout::kPairs ? 3 : 2);
   const int64_t groups = eight ? 2 * steps : steps;
   TORCH_CHECK(x.size(1) == steps * kStep, "K must match the codes' steps of 32 inputs");
-  const bool half = scale.scalar_type() == torch::kHalf;
+  return {blocks, steps, groups, eight, false};
+}
+
+// Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
+inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                               const torch::Tensor& bias, CodeLayout layout) {
+  TileShape shape = checked_codes(x, codes, layout);
+  const int64_t blocks = shape.blocks, groups = shape.groups;
+  const bool eight = shape.eight, half = scale.scalar_type() == torch::kHalf;
   TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
                   scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
               "scale: contiguous float32 or float16 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] "
@@ -75,7 +82,8 @@ inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& code
   TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == scale.scalar_type() &&
                                            bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
               "bias: contiguous [N / 16, K / 32, 16] of the scale's dtype (4-bit codes) or empty (8-bit codes)");
-  return {blocks, steps, groups, eight, half};
+  shape.half = half;
+  return shape;
 }
 
 }  // namespace hierspec_tiles

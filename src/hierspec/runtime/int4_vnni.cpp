@@ -41,16 +41,18 @@
 
 namespace {
 
+using hierspec_tiles::checked_codes;
 using hierspec_tiles::checked_tiles;
 using hierspec_tiles::CodeLayout;
 using hierspec_tiles::kBlock;
 using hierspec_tiles::kStep;
 using hierspec_tiles::TileShape;
 
-#ifdef HIERSPEC_VNNI
-using hierspec_tiles::Tiles;
-using hierspec_tiles::with_scale_type;
+// inputs per K-quant super-block, and steps per super-block
+constexpr int64_t kSuper = 256;
+constexpr int64_t kStepsPerSuper = kSuper / kStep;
 
+#ifdef HIERSPEC_VNNI
 constexpr int kQuads = 8;         // a step's quads of 4 inputs
 constexpr int kRowsPerPass = 8;   // an accumulator a row beside a step's 8 quads and its scales
 constexpr int64_t kGrain = 4;     // blocks of outputs a thread takes at least
@@ -104,11 +106,56 @@ void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& 
   }
 }
 
-// 16 scales (or biases) as float32
+// 16 scales (or biases, or their integer steps) as float32
 inline __m512 sixteen(const float* values) { return _mm512_loadu_ps(values); }
 inline __m512 sixteen(const uint16_t* values) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
 }
+inline __m512 sixteen(const uint8_t* values) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
+}
+inline __m512 sixteen(const int8_t* values) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
+}
+
+// A product's codes: [1, blocks, steps, ...] of kStepBytes a step
+struct Codes {
+  const uint8_t* codes;
+  int64_t steps, n;
+};
+
+// Scales and biases stored per group and output, S float (float32) or uint16_t (float16): the tile layout's
+template <typename S>
+struct Stored {
+  const S* scale;
+  const S* bias;  // nullptr for 8-bit codes
+  int64_t groups;
+
+  __m512 scale_at(int64_t block, int64_t group) const { return sixteen(scale + (block * groups + group) * kBlock); }
+  __m512 bias_at(int64_t block, int64_t group) const { return sixteen(bias + (block * groups + group) * kBlock); }
+};
+
+// Scales and biases as K-quant files hold them: an integer step per group and output (Step uint8_t for Q4_K's
+// 6-bit scales, int8_t for Q6_K's signed ones) times a float32 unit per output and super-block of 256 inputs; the
+// biases (4-bit codes) a uint8 step times a unit the same way. Each product is exact in float32 (an 11-bit float16
+// unit times a step of at most 8 bits): the weights are the file's.
+template <typename Step>
+struct Factored {
+  const Step* scale;
+  const uint8_t* bias;  // nullptr for 8-bit codes
+  const float* units;   // [2 or 1, blocks, supers, 16]: the scales' units, then the biases'
+  int64_t groups, blocks, supers, groups_per_super;
+
+  __m512 unit(int64_t which, int64_t block, int64_t group) const {
+    return _mm512_loadu_ps(units + ((which * blocks + block) * supers + group / groups_per_super) * kBlock);
+  }
+  __m512 scale_at(int64_t block, int64_t group) const {
+    return _mm512_mul_ps(sixteen(scale + (block * groups + group) * kBlock), unit(0, block, group));
+  }
+  __m512 bias_at(int64_t block, int64_t group) const {
+    return _mm512_mul_ps(sixteen(bias + (block * groups + group) * kBlock), unit(1, block, group));
+  }
+};
 
 // a row's 4 codes of quad c, in every lane
 inline __m512i quad_of(const int8_t* codes, int c) {
@@ -118,16 +165,15 @@ inline __m512i quad_of(const int8_t* codes, int c) {
 }
 
 // The 4-bit form: step s of a block is scale group s.
-template <typename S>
+template <class Source>
 struct FourBit {
   static constexpr int64_t kStepBytes = 256;
   struct Scales {
     __m512 scale, bias;
   };
 
-  static Scales scales_of(const Tiles<S>& w, int64_t block, int64_t s) {
-    const int64_t at = (block * w.groups + s) * kBlock;
-    return {sixteen(w.scale + at), sixteen(w.bias + at)};
+  static Scales scales_of(const Source& source, int64_t block, int64_t s) {
+    return {source.scale_at(block, s), source.bias_at(block, s)};
   }
 
   // a step's quads as unsigned bytes [16 outputs x 4 inputs]: quads c and c + 4 from chunk c's low and high nibbles
@@ -154,16 +200,15 @@ struct FourBit {
 };
 
 // The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
-template <typename S>
+template <class Source>
 struct EightBit {
   static constexpr int64_t kStepBytes = 512;
   struct Scales {
     __m512 low, high;
   };
 
-  static Scales scales_of(const Tiles<S>& w, int64_t block, int64_t s) {
-    const int64_t at = (block * w.groups + 2 * s) * kBlock;
-    return {sixteen(w.scale + at), sixteen(w.scale + at + kBlock)};
+  static Scales scales_of(const Source& source, int64_t block, int64_t s) {
+    return {source.scale_at(block, 2 * s), source.scale_at(block, 2 * s + 1)};
   }
 
   // a step's quads as unsigned bytes code + 128
@@ -189,15 +234,15 @@ struct EightBit {
 };
 
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]
-template <int MT, class Form, typename S>
-void block_rows(const Tiles<S>& w, const Rows& x, int64_t block, int64_t r0, float* out) {
+template <int MT, class Form, class Source>
+void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
     __m512i quads[kQuads];
     Form::decode(codes + s * Form::kStepBytes, quads);
-    const auto scales = Form::scales_of(w, block, s);
+    const auto scales = Form::scales_of(source, block, s);
     for (int m = 0; m < MT; ++m) {
       const int64_t r = r0 + m;
       const int64_t at = r * x.steps_per_row + s;
@@ -207,20 +252,32 @@ void block_rows(const Tiles<S>& w, const Rows& x, int64_t block, int64_t r0, flo
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r0 + m) * w.n + block * kBlock, acc[m]);
 }
 
-template <class Form, typename S>
-void block_all_rows(const Tiles<S>& w, const Rows& x, int64_t rows, int64_t block, float* out) {
+template <class Form, class Source>
+void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
-      case 8: block_rows<8, Form>(w, x, block, r0, out); break;
-      case 7: block_rows<7, Form>(w, x, block, r0, out); break;
-      case 6: block_rows<6, Form>(w, x, block, r0, out); break;
-      case 5: block_rows<5, Form>(w, x, block, r0, out); break;
-      case 4: block_rows<4, Form>(w, x, block, r0, out); break;
-      case 3: block_rows<3, Form>(w, x, block, r0, out); break;
-      case 2: block_rows<2, Form>(w, x, block, r0, out); break;
-      default: block_rows<1, Form>(w, x, block, r0, out); break;
+      case 8: block_rows<8, Form>(w, source, x, block, r0, out); break;
+      case 7: block_rows<7, Form>(w, source, x, block, r0, out); break;
+      case 6: block_rows<6, Form>(w, source, x, block, r0, out); break;
+      case 5: block_rows<5, Form>(w, source, x, block, r0, out); break;
+      case 4: block_rows<4, Form>(w, source, x, block, r0, out); break;
+      case 3: block_rows<3, Form>(w, source, x, block, r0, out); break;
+      case 2: block_rows<2, Form>(w, source, x, block, r0, out); break;
+      default: block_rows<1, Form>(w, source, x, block, r0, out); break;
     }
   }
+}
+
+// every block of the product, shared out between the threads
+template <class Source>
+void all_blocks(const Codes& w, const Source& source, bool eight, int64_t blocks, const Rows& x, int64_t rows,
+                float* out) {
+  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      if (eight) block_all_rows<EightBit<Source>>(w, source, x, rows, block, out);
+      else block_all_rows<FourBit<Source>>(w, source, x, rows, block, out);
+    }
+  });
 }
 
 #endif  // HIERSPEC_VNNI
@@ -236,13 +293,40 @@ bool vnni_ready() {
 #endif
 }
 
+namespace {
+
+// Checks factored scales (see Factored) for codes of `shape`: scale uint8 (4-bit codes) or int8 (8-bit) [1, N / 16,
+// groups, 16], bias uint8 [N / 16, K / 32, 16] or empty, units float32 [2 or 1, N / 16, K / 256, 16].
+void check_factors(const TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias,
+                   const torch::Tensor& units) {
+  const int64_t blocks = shape.blocks, groups = shape.groups;
+  TORCH_CHECK(shape.steps % kStepsPerSuper == 0, "factored scales: K must be a multiple of 256");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == (shape.eight ? torch::kInt8 : torch::kUInt8) &&
+                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
+              "factored scale: contiguous uint8 [1, N / 16, K / 32, 16] (4-bit codes) or int8 [1, N / 16, K / 16, 16] "
+              "(8-bit)");
+  TORCH_CHECK(shape.eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kUInt8 &&
+                                                 bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
+              "factored bias: contiguous uint8 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
+  TORCH_CHECK(units.is_contiguous() && units.scalar_type() == torch::kFloat32 &&
+                  units.sizes() == torch::IntArrayRef({shape.eight ? 1 : 2, blocks, shape.steps / kStepsPerSuper,
+                                                       kBlock}),
+              "units: contiguous float32 [2, N / 16, K / 256, 16] (4-bit codes) or [1, N / 16, K / 256, 16] (8-bit)");
+}
+
+}  // namespace
+
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
-// (8-bit form); scale: float32 or float16 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: the scale's
-// dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
+// (8-bit form). Scales stored per group (units empty): scale float32 or float16 [1, N / 16, K / 32, 16] or
+// [1, N / 16, K / 16, 16], bias the scale's dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one;
+// or factored (check_factors). Returns float32 [M, N].
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias) {
+                           const torch::Tensor& bias, const torch::Tensor& units) {
   TORCH_CHECK(vnni_ready(), "the AVX512-VNNI product is not available in this build");
-  const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kQuads);
+  const bool factored = units.numel() > 0;
+  TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
+  if (factored) check_factors(shape, scale, bias, units);
+  else shape = checked_tiles(x, codes, scale, bias, CodeLayout::kQuads);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;
@@ -251,16 +335,23 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, c
   thread_local std::vector<RowStep> row_steps;
   rounded_rows(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
   const Rows inputs{row_codes.data(), row_steps.data(), shape.steps};
+  const Codes weights{static_cast<const uint8_t*>(codes.data_ptr()), shape.steps, n};
   float* results = out.data_ptr<float>();
-  with_scale_type(shape, codes, scale, bias, n, [&](const auto& weights, bool eight) {
-    using S = std::remove_cv_t<std::remove_pointer_t<decltype(weights.scale)>>;
-    at::parallel_for(0, weights.blocks, kGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t block = begin; block < end; ++block) {
-        if (eight) block_all_rows<EightBit<S>>(weights, inputs, rows, block, results);
-        else block_all_rows<FourBit<S>>(weights, inputs, rows, block, results);
-      }
-    });
-  });
+  const auto run = [&](const auto& source) {
+    all_blocks(weights, source, shape.eight, shape.blocks, inputs, rows, results);
+  };
+  const int64_t supers = shape.steps / kStepsPerSuper, per_super = shape.groups / std::max<int64_t>(supers, 1);
+  if (factored && shape.eight)
+    run(Factored<int8_t>{scale.data_ptr<int8_t>(), nullptr, units.data_ptr<float>(), shape.groups, shape.blocks,
+                         supers, per_super});
+  else if (factored)
+    run(Factored<uint8_t>{scale.data_ptr<uint8_t>(), bias.data_ptr<uint8_t>(), units.data_ptr<float>(), shape.groups,
+                          shape.blocks, supers, per_super});
+  else if (shape.half)
+    run(Stored<uint16_t>{static_cast<const uint16_t*>(scale.data_ptr()),
+                         shape.eight ? nullptr : static_cast<const uint16_t*>(bias.data_ptr()), shape.groups});
+  else
+    run(Stored<float>{scale.data_ptr<float>(), shape.eight ? nullptr : bias.data_ptr<float>(), shape.groups});
 #endif
   return out;
 }

@@ -63,7 +63,8 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6
 #: the decoded-weights cache beside a GGUF file's converted weights
 CACHE_FILE = "int4-weights.safetensors"
 CACHE_MAGIC = "hierspec-int4-weights"
-CACHE_VERSION = 1
+#: 2: K-quant weights' scale factors (``Int4Weight.factors``) kept beside their passes
+CACHE_VERSION = 2
 #: the kernel packs output rows in tiles of this many
 ROW_MULTIPLE = 16
 #: the kernel's activation, scale and output dtype on the CPU (float32 activations run ~20x slower there)
@@ -75,17 +76,48 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 
 
 @dataclass(frozen=True)
+class ScaleFactors:
+    """A K-quant weight's scales as its file holds them: an integer step per group of inputs times a float32 unit per
+    256 inputs (its float16 super-block scale), so that a kernel can read a byte per group and output instead of a
+    float32 (:func:`~hierspec.runtime.int4_kernel.pack_vnni`). Every product is exact in float32.
+
+    ``Q4_K``: ``scale = d sc`` per 32 inputs (``units`` d, ``steps`` sc, uint8 0..63) and the folded offset
+    ``zero - 8 scale = -dmin m`` (``offset_units`` -dmin, ``offset_steps`` m, uint8 0..63). ``Q6_K``: ``scale = d sc``
+    per 16 inputs (``steps`` int8), no offset.
+
+    Attributes:
+        units, offset_units: float32 ``[out, in / 256]`` (``offset_units`` ``None`` without an offset).
+        steps, offset_steps: ``[out, groups]`` (``offset_steps`` ``None`` without an offset).
+    """
+
+    units: torch.Tensor
+    steps: torch.Tensor
+    offset_units: torch.Tensor | None = None
+    offset_steps: torch.Tensor | None = None
+
+    def take_rows(self, order: torch.Tensor) -> ScaleFactors:
+        """The same factors with their output rows reordered."""
+        return ScaleFactors(*(None if part is None else part[order] for part in self.parts()))
+
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        return self.units, self.steps, self.offset_units, self.offset_steps
+
+
+@dataclass(frozen=True)
 class Int4Weight:
     """One 4-bit pass of a weight ``[out, in]``: ``weight = (codes - 8) * scales + zeros`` per group of 32 inputs.
 
     Attributes:
         codes: uint8 ``[out, in]``, values 0..15.
         scales, zeros: float32 ``[out, in / 32]``.
+        factors: a K-quant weight's scales as its file holds them (``Q4_K``: this pass's; ``Q6_K``: the 8-bit form's
+            of :func:`as_int8`, on each of its four passes), or ``None``.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
+    factors: ScaleFactors | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The pass's weight in float32 (one multiply and one add per element, as ``gguf`` rounds them)."""
@@ -95,7 +127,8 @@ class Int4Weight:
 
     def take_rows(self, order: torch.Tensor) -> Int4Weight:
         """The same pass with its output rows reordered."""
-        return Int4Weight(self.codes[order], self.scales[order], self.zeros[order])
+        return Int4Weight(self.codes[order], self.scales[order], self.zeros[order],
+                          None if self.factors is None else self.factors.take_rows(order))
 
 
 def as_int8(passes: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -197,7 +230,10 @@ def _q4_k_passes(blocks: np.ndarray) -> list[Int4Weight]:
     minimum = dmin * m.astype(np.float32)
     packed = blocks[..., 16:].reshape(rows, supers, 4, 1, 32)  # 32 bytes: sub-block 2c low nibbles, 2c + 1 high
     codes = (packed >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 15
-    return [_weight(codes.reshape(rows, -1), scale.reshape(rows, -1), (8 * scale - minimum).reshape(rows, -1))]
+    factors = ScaleFactors(*(torch.from_numpy(np.ascontiguousarray(part.reshape(rows, -1)))
+                             for part in (d, sc.astype(np.uint8), -dmin, m.astype(np.uint8))))
+    return [_weight(codes.reshape(rows, -1), scale.reshape(rows, -1), (8 * scale - minimum).reshape(rows, -1),
+                    factors)]
 
 
 def _q6_k_passes(blocks: np.ndarray) -> list[Int4Weight]:
@@ -207,23 +243,27 @@ def _q6_k_passes(blocks: np.ndarray) -> list[Int4Weight]:
     high = blocks[..., 128:192].reshape(rows, supers, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
     low = (low & 15).reshape(rows, -1, 2, 16)  # [rows, groups, half, element]
     high = (high & 3).reshape(rows, -1, 2, 16)
-    factors = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)
-    scale = (_halves(blocks[..., 208:210])[..., None] * factors).reshape(rows, -1, 2)  # D per half of each group
+    steps = blocks[..., 192:208].copy().view(np.int8)
+    d = _halves(blocks[..., 208:210])
+    scale = (d[..., None] * steps.astype(np.float32)).reshape(rows, -1, 2)  # D per half of each group
+    factors = ScaleFactors(torch.from_numpy(np.ascontiguousarray(d)),
+                           torch.from_numpy(np.ascontiguousarray(steps.reshape(rows, -1))))
     passes = []
     for half in (0, 1):
         own = np.zeros((1, 1, 2, 1), dtype=bool)
         own[0, 0, half] = True
-        d = scale[..., half]
-        passes.append(_weight(np.where(own, low, 0).reshape(rows, -1), d, 8 * d))
-        passes.append(_weight(np.where(own, high + 2, 4).reshape(rows, -1), 16 * d, 64 * d))
+        part = scale[..., half]
+        passes.append(_weight(np.where(own, low, 0).reshape(rows, -1), part, 8 * part, factors))
+        passes.append(_weight(np.where(own, high + 2, 4).reshape(rows, -1), 16 * part, 64 * part, factors))
     return passes
 
 
-def _weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray) -> Int4Weight:
+def _weight(codes: np.ndarray, scales: np.ndarray, zeros: np.ndarray, factors: ScaleFactors | None = None
+            ) -> Int4Weight:
     rows = codes.shape[0]
     return Int4Weight(torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, -1), dtype=np.uint8)),
                       torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)),
-                      torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32)))
+                      torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32)), factors)
 
 
 @functools.lru_cache(maxsize=1)
@@ -294,6 +334,8 @@ class Int4Projection:
         #: AVX512-BF16 ``[5-D codes, scales, bias]``, the AVX512-VNNI ``[6-D codes, scales, bias]`` or PyTorch's
         #: ``[packed, table]`` per pass
         self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
+                       else [stack.codes, stack.scales, stack.bias, stack.units]
+                       if isinstance(stack, int4_kernel.PackedVnni)
                        else [stack.codes, stack.scales, stack.bias] if isinstance(stack, _COMPILED_LAYOUTS)
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
 
@@ -310,19 +352,32 @@ class Int4Projection:
 
 
 def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
-    """One stack of members with equal pass counts, in ``kernel``'s layout."""
+    """One stack of members with equal pass counts, in ``kernel``'s layout (the AVX512-VNNI one with K-quant weights'
+    scale factors where every member has them: fewer bytes a forward for the same weights)."""
     depth = len(members[0])
+    factors = _stacked_factors([passes[0].factors for passes in members]) if kernel == "vnni" else None
     if kernel != "torch" and depth > 1:
         forms = [as_int8(member) for member in members]
         codes = torch.cat([codes for codes, _ in forms]).contiguous()
         scales = torch.cat([scales for _, scales in forms]).contiguous()
+        if factors is not None and depth == 4:
+            return int4_kernel.pack_vnni_int8(codes, scales, factors)
         return _EIGHT_BIT_PACKS[kernel](codes, scales)
     per_pass = [[passes[i] for passes in members] for i in range(depth)]
     if kernel == "torch":
         return [_pack(ws) for ws in per_pass]
-    pack = _FOUR_BIT_PACKS[kernel]
-    return pack(*([torch.cat([getattr(w, part) for w in ws]) for ws in per_pass]
-                  for part in ("codes", "scales", "zeros")))
+    parts = [[torch.cat([getattr(w, part) for w in ws]) for ws in per_pass] for part in ("codes", "scales", "zeros")]
+    if factors is not None:
+        return int4_kernel.pack_vnni(*parts, factors=factors)
+    return _FOUR_BIT_PACKS[kernel](*parts)
+
+
+def _stacked_factors(factors: Sequence[ScaleFactors | None]) -> ScaleFactors | None:
+    """The members' scale factors stacked along the outputs, or ``None`` unless every member has them."""
+    if any(f is None for f in factors):
+        return None
+    return ScaleFactors(*(None if parts[0] is None else torch.cat(parts).contiguous()
+                          for parts in zip(*(f.parts() for f in factors))))
 
 
 def _product(rows: torch.Tensor, stack) -> torch.Tensor:
@@ -443,14 +498,26 @@ def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
         if meta.get("magic") != CACHE_MAGIC or meta.get("version") != str(CACHE_VERSION):
             raise ValueError("not a hierspec int4 cache of this version")
         for module, count in json.loads(meta["modules"]).items():
+            factors = _read_factors(handle, module)
             passes = []
             for i in range(count):
                 nibbles = handle.get_tensor(f"{module}/{i}/codes")
                 codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
                 passes.append(Int4Weight(codes, handle.get_tensor(f"{module}/{i}/scales"),
-                                         handle.get_tensor(f"{module}/{i}/zeros")))
+                                         handle.get_tensor(f"{module}/{i}/zeros"), factors))
             weights[module] = passes
     return weights
+
+
+_FACTOR_PARTS = ("units", "steps", "offset_units", "offset_steps")
+
+
+def _read_factors(handle, module: str) -> ScaleFactors | None:
+    """A weight's scale factors (one for all its passes), or ``None`` where it has none."""
+    names = set(handle.keys())
+    parts = [handle.get_tensor(f"{module}/factors/{part}") if f"{module}/factors/{part}" in names else None
+             for part in _FACTOR_PARTS]
+    return None if parts[0] is None else ScaleFactors(*parts)
 
 
 def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> None:
@@ -463,6 +530,11 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
             tensors[f"{module}/{i}/codes"] = (weight.codes[:, 0::2] | (weight.codes[:, 1::2] << 4)).contiguous()
             tensors[f"{module}/{i}/scales"] = weight.scales.contiguous()
             tensors[f"{module}/{i}/zeros"] = weight.zeros.contiguous()
+        factors = passes[0].factors  # one for all of a weight's passes (a Q6_K weight's four share it)
+        if factors is not None:
+            for part, tensor in zip(_FACTOR_PARTS, factors.parts()):
+                if tensor is not None:
+                    tensors[f"{module}/factors/{part}"] = tensor.contiguous().clone()
     meta = {"magic": CACHE_MAGIC, "version": str(CACHE_VERSION),
             "modules": json.dumps({module: len(passes) for module, passes in weights.items()})}
     tmp = None
@@ -473,7 +545,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
         os.chmod(tmp, 0o644)
         os.replace(tmp, cache)
         checksums.record(cache.parent, [CACHE_FILE])
-    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error type
+    except (OSError, SafetensorError, RuntimeError) as exc:  # safetensors' own errors: a full disk, shared memory
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)
     finally:
