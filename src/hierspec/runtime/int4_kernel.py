@@ -70,6 +70,9 @@ KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16", "vnni")
 OWN_KERNELS = ("compiled", "amx", "bf16", "vnni")
 #: the kernels ``auto`` chooses among (each where it runs)
 KERNELS = ("torch",) + OWN_KERNELS
+#: kernels ``auto`` leaves out where another one runs: the AVX512-VNNI products where the AMX tiles run (16 rows for
+#: ~1.4x one there; ``auto`` times 1 and 4 rows only, and the two have not been measured side by side on an AMX CPU)
+AUTO_DEFERS = {"vnni": "amx"}
 #: row counts the automatic choice times each kernel at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)

@@ -407,7 +407,9 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
     ``"torch"``, ``"amx"``, ``"bf16"`` or ``"vnni"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: every one)
     cannot run here.
 
-    A kernel's name runs both forms on it. ``auto`` takes the only one that works, or, when several do, the faster
+    A kernel's name runs both forms on it. ``auto`` takes the only one that works (leaving out those
+    :data:`~hierspec.runtime.int4_kernel.AUTO_DEFERS` names where their stronger peer runs), or, when several do, the
+    faster
     for each form in a short interleaved timing at 1 and 4 rows (:func:`~hierspec.runtime.int4_kernel.choose_kernel`),
     timed once per machine and thread count and kept in a file beside the compiled kernel.
     """
@@ -420,6 +422,7 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
         return (None, reason) if reason else (Int4Kernels(choice, choice), None)
     found = {name: reasons[name]() for name in int4_kernel.KERNELS}
     working = tuple(name for name, reason in found.items() if reason is None)
+    working = tuple(name for name in working if int4_kernel.AUTO_DEFERS.get(name) not in working)
     if not working:
         return None, "; ".join(dict.fromkeys(found.values()))
     if len(working) == 1:
