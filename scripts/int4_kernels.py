@@ -39,6 +39,7 @@ from hierspec.machine import cpu_info
 from hierspec.runtime import int4_kernel
 from hierspec.runtime import quantized as q
 from hierspec.target import load_model
+from hierspec.tree import build_tree
 
 ROWS = (1, 2, 4, 8, 16)
 #: the dev questions (``agreement``)
@@ -161,7 +162,6 @@ def attention(model: str | None, kernel: str, rounds: int) -> None:
 
 def agreement(model: str | None, per_category: int, tokens: int) -> None:
     from hierspec.bench.questions import load_questions, select_questions
-    from hierspec.tree import build_tree
 
     kernels = _kernels()
     if "compiled" not in kernels:
@@ -176,7 +176,7 @@ def agreement(model: str | None, per_category: int, tokens: int) -> None:
             prompt = reference.encode_prompt(question.turns[0])
             sequence = _greedy(reference, prompt, tokens)
             for kernel, target in targets.items():
-                logits[kernel].append(_chained_logits(target, prompt, sequence, build_tree))
+                logits[kernel].append(_chained_logits(target, prompt, sequence))
     expected = torch.cat(logits["compiled"])
     top2 = expected.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) > 1.0
@@ -195,8 +195,6 @@ def agreement(model: str | None, per_category: int, tokens: int) -> None:
 
 def _greedy(target, prompt: list[int], tokens: int) -> list[int]:
     """``prompt`` followed by the target's greedy continuation of ``tokens`` tokens, one forward a token."""
-    from hierspec.tree import build_tree
-
     cache = target.new_cache()
     target.prefill(cache, prompt[:-1])
     sequence = list(prompt)
@@ -207,7 +205,7 @@ def _greedy(target, prompt: list[int], tokens: int) -> list[int]:
     return sequence
 
 
-def _chained_logits(target, prompt: list[int], sequence: list[int], build_tree, chain: int = 32) -> torch.Tensor:
+def _chained_logits(target, prompt: list[int], sequence: list[int], chain: int = 32) -> torch.Tensor:
     """The target's float32 logits at every position of ``sequence`` after ``prompt``, read in chains of ``chain``
     tokens (as a tree of one branch is verified)."""
     cache = target.new_cache()

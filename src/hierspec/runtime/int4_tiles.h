@@ -1,6 +1,6 @@
 // The bfloat16 tile layout's weights and their decoding (PackedAmx in int4_kernel.py), shared by the AMX products
 // (int4_amx.cpp) and the AVX512-BF16 dot products (int4_bf16.cpp): both decode a code to the same bfloat16 weight
-// by the same instructions.
+// by the same instructions. Its operand checks serve the AVX512-VNNI products (int4_vnni.cpp) too.
 //
 // Two forms, a step being 32 inputs of a block of 16 outputs:
 //   4-bit (Q4_0, Q4_1, Q4_K: one pass of codes 0..15): w[n, k] = code[n, k] * scale[n, g] + bias[n, g], g = k / 32
@@ -20,7 +20,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace hierspec_tiles {
 
@@ -69,10 +68,8 @@ inline TileShape checked_codes(const torch::Tensor& x, const torch::Tensor& code
   return {blocks, steps, groups, eight, false};
 }
 
-// Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
-inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                               const torch::Tensor& bias, CodeLayout layout) {
-  TileShape shape = checked_codes(x, codes, layout);
+// Checks the scales and biases stored whole (float32 or float16) of codes of `shape`, and sets `shape.half`.
+inline void check_scales(TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias) {
   const int64_t blocks = shape.blocks, groups = shape.groups;
   const bool eight = shape.eight, half = scale.scalar_type() == torch::kHalf;
   TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
@@ -83,13 +80,20 @@ inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& code
                                            bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
               "bias: contiguous [N / 16, K / 32, 16] of the scale's dtype (4-bit codes) or empty (8-bit codes)");
   shape.half = half;
+}
+
+// Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
+inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                               const torch::Tensor& bias, CodeLayout layout) {
+  TileShape shape = checked_codes(x, codes, layout);
+  check_scales(shape, scale, bias);
   return shape;
 }
 
 }  // namespace hierspec_tiles
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#define HIERSPEC_WIDE_TILES 1
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HIERSPEC_BF16_TILES 1
 
 namespace hierspec_tiles {
 
@@ -120,30 +124,6 @@ inline To bits(From v) {
   std::memcpy(&out, &v, sizeof out);
   return out;
 }
-
-// run(weights, eight) with the product's weights, scales and biases of the type they are stored in (float32, or
-// float16 as uint16_t), and whether its codes are 8-bit
-template <class Run>
-void with_scale_type(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
-                     const torch::Tensor& bias, int64_t n, Run run) {
-  auto weights = [&](auto scale_type) {
-    using S = decltype(scale_type);
-    return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
-                    shape.eight ? nullptr : static_cast<const S*>(bias.data_ptr()), shape.steps, shape.groups,
-                    shape.blocks, n};
-  };
-  if (shape.half) run(weights(uint16_t{}), shape.eight);
-  else run(weights(float{}), shape.eight);
-}
-
-}  // namespace hierspec_tiles
-
-#endif  // AVX512F and AVX512-BW
-
-#if defined(HIERSPEC_WIDE_TILES) && defined(__AVX512BF16__)
-#define HIERSPEC_BF16_TILES 1
-
-namespace hierspec_tiles {
 
 // The 4-bit form: step g of a block is scale group g.
 template <typename S>
@@ -236,15 +216,21 @@ struct EightBit {
   }
 };
 
-// run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights (with_scale_type)
+// run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights, scales and biases of the type
+// they are stored in (float32, or float16 as uint16_t)
 template <class Run>
 void with_form(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
                const torch::Tensor& bias, int64_t n, Run run) {
-  with_scale_type(shape, codes, scale, bias, n, [&](const auto& weights, bool eight) {
-    using S = typename std::remove_cv_t<std::remove_pointer_t<decltype(weights.scale)>>;
-    if (eight) run(EightBit<S>{}, weights);
-    else run(FourBit<S>{}, weights);
-  });
+  auto weights = [&](auto scale_type) {
+    using S = decltype(scale_type);
+    return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),
+                    shape.eight ? nullptr : static_cast<const S*>(bias.data_ptr()), shape.steps, shape.groups,
+                    shape.blocks, n};
+  };
+  if (shape.eight && shape.half) run(EightBit<uint16_t>{}, weights(uint16_t{}));
+  else if (shape.eight) run(EightBit<float>{}, weights(float{}));
+  else if (shape.half) run(FourBit<uint16_t>{}, weights(uint16_t{}));
+  else run(FourBit<float>{}, weights(float{}));
 }
 
 }  // namespace hierspec_tiles

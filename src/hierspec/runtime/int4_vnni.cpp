@@ -35,14 +35,14 @@
 
 #include "int4_tiles.h"
 
-#if defined(HIERSPEC_WIDE_TILES) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HIERSPEC_VNNI 1
 #endif
 
 namespace {
 
+using hierspec_tiles::check_scales;
 using hierspec_tiles::checked_codes;
-using hierspec_tiles::checked_tiles;
 using hierspec_tiles::CodeLayout;
 using hierspec_tiles::kBlock;
 using hierspec_tiles::kStep;
@@ -51,6 +51,25 @@ using hierspec_tiles::TileShape;
 // inputs per K-quant super-block, and steps per super-block
 constexpr int64_t kSuper = 256;
 constexpr int64_t kStepsPerSuper = kSuper / kStep;
+
+// Checks factored scales (see Factored) for codes of `shape`: scale uint8 (4-bit codes) or int8 (8-bit) [1, N / 16,
+// groups, 16], bias uint8 [N / 16, K / 32, 16] or empty, units float32 [2 or 1, N / 16, K / 256, 16].
+void check_factors(const TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias,
+                   const torch::Tensor& units) {
+  const int64_t blocks = shape.blocks, groups = shape.groups;
+  TORCH_CHECK(shape.steps % kStepsPerSuper == 0, "factored scales: K must be a multiple of 256");
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == (shape.eight ? torch::kInt8 : torch::kUInt8) &&
+                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
+              "factored scale: contiguous uint8 [1, N / 16, K / 32, 16] (4-bit codes) or int8 [1, N / 16, K / 16, 16] "
+              "(8-bit)");
+  TORCH_CHECK(shape.eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kUInt8 &&
+                                                 bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
+              "factored bias: contiguous uint8 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
+  TORCH_CHECK(units.is_contiguous() && units.scalar_type() == torch::kFloat32 &&
+                  units.sizes() == torch::IntArrayRef({shape.eight ? 1 : 2, blocks, shape.steps / kStepsPerSuper,
+                                                       kBlock}),
+              "units: contiguous float32 [2, N / 16, K / 256, 16] (4-bit codes) or [1, N / 16, K / 256, 16] (8-bit)");
+}
 
 #ifdef HIERSPEC_VNNI
 constexpr int kQuads = 8;         // a step's quads of 4 inputs
@@ -293,29 +312,6 @@ bool vnni_ready() {
 #endif
 }
 
-namespace {
-
-// Checks factored scales (see Factored) for codes of `shape`: scale uint8 (4-bit codes) or int8 (8-bit) [1, N / 16,
-// groups, 16], bias uint8 [N / 16, K / 32, 16] or empty, units float32 [2 or 1, N / 16, K / 256, 16].
-void check_factors(const TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias,
-                   const torch::Tensor& units) {
-  const int64_t blocks = shape.blocks, groups = shape.groups;
-  TORCH_CHECK(shape.steps % kStepsPerSuper == 0, "factored scales: K must be a multiple of 256");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == (shape.eight ? torch::kInt8 : torch::kUInt8) &&
-                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
-              "factored scale: contiguous uint8 [1, N / 16, K / 32, 16] (4-bit codes) or int8 [1, N / 16, K / 16, 16] "
-              "(8-bit)");
-  TORCH_CHECK(shape.eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kUInt8 &&
-                                                 bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
-              "factored bias: contiguous uint8 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
-  TORCH_CHECK(units.is_contiguous() && units.scalar_type() == torch::kFloat32 &&
-                  units.sizes() == torch::IntArrayRef({shape.eight ? 1 : 2, blocks, shape.steps / kStepsPerSuper,
-                                                       kBlock}),
-              "units: contiguous float32 [2, N / 16, K / 256, 16] (4-bit codes) or [1, N / 16, K / 256, 16] (8-bit)");
-}
-
-}  // namespace
-
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
 // (8-bit form). Scales stored per group (units empty): scale float32 or float16 [1, N / 16, K / 32, 16] or
 // [1, N / 16, K / 16, 16], bias the scale's dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one;
@@ -326,7 +322,7 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, c
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
   if (factored) check_factors(shape, scale, bias, units);
-  else shape = checked_tiles(x, codes, scale, bias, CodeLayout::kQuads);
+  else check_scales(shape, scale, bias);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;

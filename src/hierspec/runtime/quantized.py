@@ -41,7 +41,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +100,12 @@ class ScaleFactors:
         return ScaleFactors(*(None if part is None else part[order] for part in self.parts()))
 
     def parts(self) -> tuple[torch.Tensor | None, ...]:
-        return self.units, self.steps, self.offset_units, self.offset_steps
+        """The fields' values, in :data:`_FACTOR_PARTS` order."""
+        return tuple(getattr(self, name) for name in _FACTOR_PARTS)
+
+
+#: :class:`ScaleFactors`' fields, as the decoded-weights cache names them
+_FACTOR_PARTS = tuple(f.name for f in fields(ScaleFactors))
 
 
 @dataclass(frozen=True)
@@ -500,8 +505,9 @@ def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
         meta = handle.metadata() or {}
         if meta.get("magic") != CACHE_MAGIC or meta.get("version") != str(CACHE_VERSION):
             raise ValueError("not a hierspec int4 cache of this version")
+        names = set(handle.keys())
         for module, count in json.loads(meta["modules"]).items():
-            factors = _read_factors(handle, module)
+            factors = _read_factors(handle, names, module)
             passes = []
             for i in range(count):
                 nibbles = handle.get_tensor(f"{module}/{i}/codes")
@@ -512,12 +518,9 @@ def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
     return weights
 
 
-_FACTOR_PARTS = ("units", "steps", "offset_units", "offset_steps")
-
-
-def _read_factors(handle, module: str) -> ScaleFactors | None:
-    """A weight's scale factors (one for all its passes), or ``None`` where it has none."""
-    names = set(handle.keys())
+def _read_factors(handle, names: set[str], module: str) -> ScaleFactors | None:
+    """A weight's scale factors (one for all its passes; ``names`` the cache's tensors), or ``None`` where it has
+    none."""
     parts = [handle.get_tensor(f"{module}/factors/{part}") if f"{module}/factors/{part}" in names else None
              for part in _FACTOR_PARTS]
     return None if parts[0] is None else ScaleFactors(*parts)
