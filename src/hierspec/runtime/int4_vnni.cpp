@@ -137,6 +137,17 @@ inline __m512 sixteen(const int8_t* values) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
 }
 
+// Each step asks for the codes it will read kPrefetchBytes later and its scales' lines as many steps ahead, so memory
+// is read while earlier steps are multiplied (the int4_amx.cpp idea; without it, products of a few rows took the
+// time of their memory and their arithmetic one after the other). Prefetching past a tensor's end is harmless. Forced
+// inline: gcc may otherwise find the helpers free of side effects and drop them.
+constexpr int64_t kPrefetchBytes = 2048;
+
+__attribute__((always_inline)) inline void prefetch_lines(const void* start, int64_t bytes) {
+  const char* ahead = static_cast<const char*>(start);
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 // A product's codes: [1, blocks, steps, ...] of kStepBytes a step
 struct Codes {
   const uint8_t* codes;
@@ -152,6 +163,12 @@ struct Stored {
 
   __m512 scale_at(int64_t block, int64_t group) const { return sixteen(scale + (block * groups + group) * kBlock); }
   __m512 bias_at(int64_t block, int64_t group) const { return sixteen(bias + (block * groups + group) * kBlock); }
+  // the lines of `count` groups from `group` on, `ahead` groups later
+  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
+    const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock * sizeof(S);
+    prefetch_lines(scale + at, bytes);
+    if (bias != nullptr) prefetch_lines(bias + at, bytes);
+  }
 };
 
 // Scales and biases as K-quant files hold them: an integer step per group and output (Step uint8_t for Q4_K's
@@ -174,6 +191,13 @@ struct Factored {
   __m512 bias_at(int64_t block, int64_t group) const {
     return _mm512_mul_ps(sixteen(bias + (block * groups + group) * kBlock), unit(1, block, group));
   }
+  // the steps' lines of `count` groups from `group` on, `ahead` groups later (the units, 1/16 of the codes' bytes or
+  // less, are left to the hardware's prefetcher)
+  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
+    const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock;
+    prefetch_lines(scale + at, bytes);
+    if (bias != nullptr) prefetch_lines(bias + at, bytes);
+  }
 };
 
 // a row's 4 codes of quad c, in every lane
@@ -193,6 +217,9 @@ struct FourBit {
 
   static Scales scales_of(const Source& source, int64_t block, int64_t s) {
     return {source.scale_at(block, s), source.bias_at(block, s)};
+  }
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
+    source.prefetch(block, s, 1, kPrefetchBytes / kStepBytes);
   }
 
   // a step's quads as unsigned bytes [16 outputs x 4 inputs]: quads c and c + 4 from chunk c's low and high nibbles
@@ -229,6 +256,9 @@ struct EightBit {
   static Scales scales_of(const Source& source, int64_t block, int64_t s) {
     return {source.scale_at(block, 2 * s), source.scale_at(block, 2 * s + 1)};
   }
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
+    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes));
+  }
 
   // a step's quads as unsigned bytes code + 128
   static void decode(const uint8_t* src, __m512i quads[kQuads]) {
@@ -259,6 +289,8 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
+    prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes);
+    Form::prefetch(source, block, s);
     __m512i quads[kQuads];
     Form::decode(codes + s * Form::kStepBytes, quads);
     const auto scales = Form::scales_of(source, block, s);
