@@ -13,8 +13,9 @@ rows, each shape alone (median of many calls: its weights stay in cache), and pr
 ``forward`` loads the model once per kernel and times all its projections in the order of a forward (the weights
 stream from memory as they do in decoding), kernels interleaved. ``curves`` measures each kernel's verification cost
 curve (1–32 tokens), interleaved over ``--rounds``. Run it with ``ATEN_CPU_CAPABILITY=avx2`` to time PyTorch's AVX2
-kernels; the compiled kernel then still uses this CPU's widest instructions (BENCHMARKS.md shows an AVX2 build of
-it beside them). ``halves`` loads the model twice — one decoder with its compiled layer halves, one running
+kernels; the compiled kernels then still use this CPU's widest instructions unless ``--march`` names another
+instruction set for hierspec's extension (``--march znver3``: the AVX2 builds a Zen 3 runs, measured on this CPU; the
+build goes into its own cache directory). ``halves`` loads the model twice — one decoder with its compiled layer halves, one running
 operation by operation — and prints both verification cost curves, interleaved over ``--rounds``.
 ``attention`` loads the model twice — one decoder running each layer as one compiled call with its exact attention
 (``int4_attention.cpp``), one running the layer halves around the numba kernel — and prints both curves.
@@ -229,7 +230,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-category", type=int, default=2, help="agreement: dev questions per category")
     parser.add_argument("--tokens", type=int, default=96, help="agreement: tokens decoded per question")
+    parser.add_argument("--march", default=None, help="build hierspec's extension for this -march (default: native)")
     args = parser.parse_args()
+    if args.march:  # before anything builds the extension: its cache key covers the flags
+        int4_kernel.CFLAGS = tuple(f"-march={args.march}" if flag.startswith("-march=") else flag
+                                   for flag in int4_kernel.CFLAGS)
     torch.set_num_threads(args.threads)
     print(cpu_info().describe(), f"torch kernels {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
     if args.what == "products":

@@ -388,7 +388,7 @@ def test_decoding_products_that_are_wrong_or_missing_are_reported(monkeypatch):
     monkeypatch.setattr(k, "compiled_kernel", lambda: (NoTiles(), None))
     assert k.amx_reason() == "this CPU (or its operating system) offers no AMX-BF16 tiles"
     assert k.bf16_reason() == "this CPU has no AVX512_BF16 instructions"
-    assert k.vnni_reason() == "this CPU has no AVX512_VNNI instructions"
+    assert k.vnni_reason() == "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (None, "no compiler"))
     assert k.amx_reason() == k.bf16_reason() == k.vnni_reason() == "no compiler"
 

@@ -37,9 +37,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows), amx (hierspec's own on "
                             "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for ~1.4x the time of one; bfloat16 "
                             "rows), bf16 (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the weights "
-                            "decoded once, 8 rows a pass; bfloat16 rows), vnni (hierspec's own with AVX512-VNNI integer "
-                            "dot products, AMD Zen 4 and Intel from Cascade Lake: the codes multiplied as integers, rows "
-                            "as two 8-bit codes per input, ~15 bits) or auto (the default: the fastest here for each "
+                            "decoded once, 8 rows a pass; bfloat16 rows), vnni (hierspec's own integer "
+                            "dot products, AVX512-VNNI or AVX2: the codes multiplied as integers, rows as two 8-bit "
+                            "codes per input, ~15 bits) or auto (the default: the fastest here for each "
                             "weight form, timed once per machine and kept)")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "

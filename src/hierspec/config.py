@@ -128,8 +128,9 @@ class ModelConfig:
             int4 kernel; bfloat16 rows), ``"amx"`` (hierspec's own on AMX tiles, Intel CPUs with AMX-BF16;
             bfloat16 rows, float32 scales, stored in float16 where exact; 16 rows for ~1.4x the time of one) or
             ``"bf16"`` (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the AMX products' weights,
-            decoded once for all rows, 8 rows a pass) or ``"vnni"`` (hierspec's own with AVX512-VNNI integer dot
-            products, AMD Zen 4 and Intel from Cascade Lake on: the codes multiplied as integers by each row rounded
+            decoded once for all rows, 8 rows a pass) or ``"vnni"`` (hierspec's own integer dot products, on
+            AVX512-VNNI — AMD Zen 4, Intel from Cascade Lake on — or on AVX2's byte products — AMD Zen 3, Intel from
+            Haswell on — with the same results: the codes multiplied as integers by each row rounded
             to two 8-bit codes an input, ~15 bits per 32 inputs; 8 rows a pass).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the

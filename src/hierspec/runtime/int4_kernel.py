@@ -18,7 +18,9 @@ multiply them by dot-product instructions, 8 rows a pass: a one-row product ~1.4
 Cascade Lake on) the AVX512-VNNI products (:class:`PackedVnni`) keep the codes as integers and round each row to two
 8-bit codes an input (~15 bits per 32 inputs, closer to float32 than bfloat16 rows): integer dot products need no
 decoding to bfloat16, so a one-row product takes ~0.6x the AVX512-BF16 one's time (BENCHMARKS.md, "Twenty-fourth
-session"). All five are batch-invariant by construction (see the
+session"); on AVX2 CPUs without AVX-512 (AMD Zen 3, Intel from Haswell on) the same products run on AVX2's byte
+products (VPMADDUBSW, VPMADDWD: the same exact integer sums in halves of 8 outputs, the same bits). All five are
+batch-invariant by construction (see the
 sources' headers), so a tree row's products equal the chain's. The layer halves (``rms_norm``,
 ``attention_inputs``, ``mlp_block``) run a layer's small operations from C++, with any kernel's products
 (:mod:`~hierspec.runtime.decoder`).
@@ -78,9 +80,9 @@ CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
 #: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
-#: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too; 5: the AVX512-VNNI ones too); a file of
-#: another version is timed again
-CHOICE_VERSION = 5
+#: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too; 5: the AVX512-VNNI ones too; 6: the integer
+#: products on AVX2 CPUs too); a file of another version is timed again
+CHOICE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -422,13 +424,13 @@ def bf16_reason() -> str | None:
 
 
 def vnni_reason() -> str | None:
-    """Why the AVX512-VNNI products (``int4_vnni.cpp``) cannot run here — no compiled kernel, a CPU without
-    AVX512_VNNI, wrong products — or ``None`` when they can."""
+    """Why the integer (VNNI) products (``int4_vnni.cpp``) cannot run here — no compiled kernel, a CPU with neither
+    AVX512_VNNI nor AVX2 (with FMA and F16C), wrong products — or ``None`` when they can."""
     module, reason = compiled_kernel()
     if module is None:
         return reason
     if not module.vnni_ready():
-        return "this CPU has no AVX512_VNNI instructions"
+        return "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C"
     return _check_vnni(module)
 
 

@@ -1,6 +1,6 @@
-// hierspec's quantized products on AVX512-VNNI integer dot products (AMD Zen 4, Intel from Cascade Lake on): the
-// codes stay integers, and each row is rounded to two 8-bit codes an input, ~15 bits per 32 inputs (closer to float32
-// than bfloat16's 8-bit significands).
+// hierspec's quantized products on integer dot products — AVX512-VNNI (AMD Zen 4, Intel from Cascade Lake on), or
+// AVX2's byte products elsewhere (AMD Zen 3, Intel from Haswell on): the codes stay integers, and each row is rounded
+// to two 8-bit codes an input, ~15 bits per 32 inputs (closer to float32 than bfloat16's 8-bit significands).
 //
 // Decoding a code to a bfloat16 weight (int4_bf16.cpp) costs more than multiplying it: on a Zen 4 one row's product
 // is bound by the decoding. Here 4-bit codes are only masked out of their bytes and 8-bit ones taken as they are;
@@ -12,8 +12,9 @@
 //     input 32 s + 4 c + i in its low nibble and at input 32 s + 16 + 4 c + i in its high one; w = code scale + bias
 //     with scale [1, N / 16, K / 32, 16] and bias [N / 16, K / 32, 16] (the tile layout's, int4_tiles.h).
 //   8-bit: codes int8 [1, N / 16, K / 32, 8, 16, 4]: byte (c, n, i) the signed code of output 16 b + n at input
-//     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. The codes run as unsigned bytes code + 128,
-//     and each 16 inputs' sum of 128 x the row's codes is taken back in int32.
+//     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. VPDPBUSD runs them as unsigned bytes
+//     code + 128, each 16 inputs' sum of 128 x the row's codes taken back in int32; AVX2 as |code| times the row's
+//     code with the code's sign.
 // A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
 //   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
 // each integer sum as 128 times the high codes' dot plus the low codes' one.
@@ -35,8 +36,14 @@
 
 #include "int4_tiles.h"
 
+// Two builds of the same arithmetic: AVX512-VNNI's VPDPBUSD (16 outputs' int32 sums of 4 byte products at once), or
+// on AVX2 CPUs (AMD Zen 3, Intel Haswell on) VPMADDUBSW and VPMADDWD doing the same integer sums in two halves of 8
+// outputs — every sum exact either way, the scales applied in the same float32 operations per output, so both builds
+// give the same bits.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define HIERSPEC_VNNI 1
+#define HIERSPEC_VNNI 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HIERSPEC_VNNI 256
 #endif
 
 namespace {
@@ -91,7 +98,43 @@ struct Rows {
   int64_t steps_per_row;
 };
 
-// 16 inputs' high and low codes (see rounded_rows), kept within +-127
+// ---- 16 outputs' float32 and int32 lanes: one AVX-512 register, or two AVX2 ones (halves of 8 outputs)
+#if HIERSPEC_VNNI == 512
+using F16 = __m512;
+using I16 = __m512i;
+inline F16 splat(float v) { return _mm512_set1_ps(v); }
+inline F16 zero16() { return _mm512_setzero_ps(); }
+inline F16 mul(F16 a, F16 b) { return _mm512_mul_ps(a, b); }
+inline F16 fmadd(F16 a, F16 b, F16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline F16 as_float(I16 v) { return _mm512_cvtepi32_ps(v); }
+inline I16 high_plus_low(I16 high, I16 low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 7), low); }
+inline void store16(float* p, F16 v) { _mm512_storeu_ps(p, v); }
+#else
+struct F16 {
+  __m256 lo, hi;
+};
+struct I16 {
+  __m256i lo, hi;
+};
+inline F16 splat(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 as_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline I16 high_plus_low(I16 high, I16 low) {
+  return {_mm256_add_epi32(_mm256_slli_epi32(high.lo, 7), low.lo),
+          _mm256_add_epi32(_mm256_slli_epi32(high.hi, 7), low.hi)};
+}
+inline void store16(float* p, F16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+#endif
+
+// A step of 32 inputs as its 32 high codes, then its 32 low ones (see rounded_rows), each within +-127, and its RowStep:
+// the same float32 operations per input in both builds, so the same codes
+#if HIERSPEC_VNNI == 512
+// 16 inputs' high and low codes
 inline void split(__m512 x, __m512 d, __m512 inverse, __m512i& high, __m512i& low) {
   const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
   high = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse))));
@@ -100,42 +143,97 @@ inline void split(__m512 x, __m512 d, __m512 inverse, __m512i& high, __m512i& lo
                                      _mm512_mul_ps(rest, _mm512_mul_ps(inverse, _mm512_set1_ps(128.f))))));
 }
 
+inline RowStep round_step(const float* x, int8_t* out) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = largest / 127.f;
+  const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m512i high_a, low_a, high_b, low_b;
+  split(a, _mm512_set1_ps(d), inverse, high_a, low_a);
+  split(b, _mm512_set1_ps(d), inverse, high_b, low_b);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high_a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm512_cvtepi32_epi8(low_a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 48), _mm512_cvtepi32_epi8(low_b));
+  const int32_t first = 128 * _mm512_reduce_add_epi32(high_a) + _mm512_reduce_add_epi32(low_a);
+  const int32_t second = 128 * _mm512_reduce_add_epi32(high_b) + _mm512_reduce_add_epi32(low_b);
+  return {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
+}
+#else
+// 8 inputs' high and low codes, as the AVX-512 build's split computes them lane by lane
+inline void split(__m256 x, __m256 d, __m256 inverse, __m256i& high, __m256i& low) {
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  high = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(x, inverse))));
+  const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(high), d, x);
+  low = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(
+                                     _mm256_mul_ps(rest, _mm256_mul_ps(inverse, _mm256_set1_ps(128.f))))));
+}
+
+inline RowStep round_step(const float* x, int8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 top = _mm256_andnot_ps(sign, _mm256_loadu_ps(x));
+  for (int i = 8; i < 32; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float largest = lanes[0];
+  for (int i = 1; i < 8; ++i) largest = std::max(largest, lanes[i]);
+  const float d = largest / 127.f;
+  const __m256 inverse = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  alignas(32) int32_t high[32], low[32];
+  for (int i = 0; i < 32; i += 8) {
+    __m256i h, l;
+    split(_mm256_loadu_ps(x + i), _mm256_set1_ps(d), inverse, h, l);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(high + i), h);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(low + i), l);
+  }
+  int32_t sums[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    out[i] = static_cast<int8_t>(high[i]);
+    out[32 + i] = static_cast<int8_t>(low[i]);
+    sums[i / 16] += 128 * high[i] + low[i];
+  }
+  return {d / 128.f, static_cast<float>(sums[0] + sums[1]), -128 * sums[0], -128 * sums[1]};
+}
+#endif
+
 // x [rows, k] (k a multiple of 32) as two 8-bit codes an input, per step of 32 inputs: d = max |x| / 127,
 // high = round(x / d), low = round((x - high d) 128 / d) (each rounded as the MXCSR rounds: to nearest, ties to even;
 // x / d as x times 1 / d; |low| <= 64), so that x ~ d / 128 (128 high + low), within d / 256
 void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& codes, std::vector<RowStep>& steps) {
   codes.resize(static_cast<size_t>(2 * rows * k));
   steps.resize(static_cast<size_t>(rows * k / kStep));
-  for (int64_t i = 0; i < rows * k / kStep; ++i) {
-    const __m512 a = _mm512_loadu_ps(x + kStep * i), b = _mm512_loadu_ps(x + kStep * i + 16);
-    const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = largest / 127.f;
-    const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-    __m512i high_a, low_a, high_b, low_b;
-    split(a, _mm512_set1_ps(d), inverse, high_a, low_a);
-    split(b, _mm512_set1_ps(d), inverse, high_b, low_b);
-    int8_t* out = codes.data() + 2 * kStep * i;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high_a));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_b));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32), _mm512_cvtepi32_epi8(low_a));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 48), _mm512_cvtepi32_epi8(low_b));
-    const int32_t first = 128 * _mm512_reduce_add_epi32(high_a) + _mm512_reduce_add_epi32(low_a);
-    const int32_t second = 128 * _mm512_reduce_add_epi32(high_b) + _mm512_reduce_add_epi32(low_b);
-    steps[static_cast<size_t>(i)] = {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
-  }
+  for (int64_t i = 0; i < rows * k / kStep; ++i)
+    steps[static_cast<size_t>(i)] = round_step(x + kStep * i, codes.data() + 2 * kStep * i);
 }
 
 // 16 scales (or biases, or their integer steps) as float32
-inline __m512 sixteen(const float* values) { return _mm512_loadu_ps(values); }
-inline __m512 sixteen(const uint16_t* values) {
+#if HIERSPEC_VNNI == 512
+inline F16 sixteen(const float* values) { return _mm512_loadu_ps(values); }
+inline F16 sixteen(const uint16_t* values) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
 }
-inline __m512 sixteen(const uint8_t* values) {
+inline F16 sixteen(const uint8_t* values) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
 }
-inline __m512 sixteen(const int8_t* values) {
+inline F16 sixteen(const int8_t* values) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
 }
+#else
+inline __m128i eight_bytes(const void* values) { return _mm_loadl_epi64(static_cast<const __m128i*>(values)); }
+inline F16 sixteen(const float* values) { return {_mm256_loadu_ps(values), _mm256_loadu_ps(values + 8)}; }
+inline F16 sixteen(const uint16_t* values) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 8)))};
+}
+inline F16 sixteen(const uint8_t* values) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(values))),
+          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(values + 8)))};
+}
+inline F16 sixteen(const int8_t* values) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(values))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(values + 8)))};
+}
+#endif
 
 // Each step asks for the codes it will read kPrefetchBytes later and its scales' lines as many steps ahead, so memory
 // is read while earlier steps are multiplied (the int4_amx.cpp idea; without it, products of a few rows took the
@@ -161,8 +259,8 @@ struct Stored {
   const S* bias;  // nullptr for 8-bit codes
   int64_t groups;
 
-  __m512 scale_at(int64_t block, int64_t group) const { return sixteen(scale + (block * groups + group) * kBlock); }
-  __m512 bias_at(int64_t block, int64_t group) const { return sixteen(bias + (block * groups + group) * kBlock); }
+  F16 scale_at(int64_t block, int64_t group) const { return sixteen(scale + (block * groups + group) * kBlock); }
+  F16 bias_at(int64_t block, int64_t group) const { return sixteen(bias + (block * groups + group) * kBlock); }
   // the lines of `count` groups from `group` on, `ahead` groups later
   __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
     const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock * sizeof(S);
@@ -182,14 +280,14 @@ struct Factored {
   const float* units;   // [2 or 1, blocks, supers, 16]: the scales' units, then the biases'
   int64_t groups, blocks, supers, groups_per_super;
 
-  __m512 unit(int64_t which, int64_t block, int64_t group) const {
-    return _mm512_loadu_ps(units + ((which * blocks + block) * supers + group / groups_per_super) * kBlock);
+  F16 unit(int64_t which, int64_t block, int64_t group) const {
+    return sixteen(units + ((which * blocks + block) * supers + group / groups_per_super) * kBlock);
   }
-  __m512 scale_at(int64_t block, int64_t group) const {
-    return _mm512_mul_ps(sixteen(scale + (block * groups + group) * kBlock), unit(0, block, group));
+  F16 scale_at(int64_t block, int64_t group) const {
+    return mul(sixteen(scale + (block * groups + group) * kBlock), unit(0, block, group));
   }
-  __m512 bias_at(int64_t block, int64_t group) const {
-    return _mm512_mul_ps(sixteen(bias + (block * groups + group) * kBlock), unit(1, block, group));
+  F16 bias_at(int64_t block, int64_t group) const {
+    return mul(sixteen(bias + (block * groups + group) * kBlock), unit(1, block, group));
   }
   // the steps' lines of `count` groups from `group` on, `ahead` groups later (the units, 1/16 of the codes' bytes or
   // less, are left to the hardware's prefetcher)
@@ -200,19 +298,71 @@ struct Factored {
   }
 };
 
-// a row's 4 codes of quad c, in every lane
-inline __m512i quad_of(const int8_t* codes, int c) {
+// a row's 4 codes of quad c
+inline int32_t quad_of(const int8_t* codes, int c) {
   int32_t four;
   std::memcpy(&four, codes + 4 * c, sizeof four);
-  return _mm512_set1_epi32(four);
+  return four;
 }
+
+#if HIERSPEC_VNNI == 512
+// A step's quad: 16 outputs x 4 inputs as unsigned bytes
+using Quad = __m512i;
+inline Quad load_quad(const uint8_t* src) { return _mm512_loadu_si512(src); }
+inline Quad low_nibbles(Quad bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
+inline Quad high_nibbles(Quad bytes) { return low_nibbles(_mm512_srli_epi16(bytes, 4)); }
+inline I16 splat_int(int32_t v) { return _mm512_set1_epi32(v); }
+// acc + each output's sum of its 4 bytes times the row's 4 codes
+inline I16 dot_quad(I16 acc, Quad weights, int32_t codes) {
+  return _mm512_dpbusd_epi32(acc, weights, _mm512_set1_epi32(codes));
+}
+// the 4-bit form's sum over a step's 8 quads (every product below 2^11: VPDPBUSD is exact)
+inline I16 dot_step4(const Quad quads[kQuads], const int8_t* codes) {
+  I16 sum = _mm512_setzero_si512();
+  for (int c = 0; c < kQuads; ++c) sum = dot_quad(sum, quads[c], quad_of(codes, c));
+  return sum;
+}
+#else
+// A step's quad in two halves of 8 outputs x 4 inputs
+struct Quad {
+  __m256i lo, hi;
+};
+inline Quad load_quad(const uint8_t* src) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))};
+}
+inline Quad low_nibbles(Quad b) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(b.lo, nibble), _mm256_and_si256(b.hi, nibble)};
+}
+inline Quad high_nibbles(Quad b) { return low_nibbles({_mm256_srli_epi16(b.lo, 4), _mm256_srli_epi16(b.hi, 4)}); }
+inline I16 splat_int(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+inline I16 add(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+// pairs of int16 sums widened to each output's int32 sum of 4
+inline I16 widened(__m256i lo, __m256i hi) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)};
+}
+// the 4-bit form's sum over a step's 8 quads: VPMADDUBSW's int16 pair sums of codes 0..15 times row codes within
+// +-127 stay below 2 * 15 * 127, so the 8 quads' (at most 30,480) are summed in int16 before one widening
+inline I16 dot_step4(const Quad quads[kQuads], const int8_t* codes) {
+  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+  for (int c = 0; c < kQuads; ++c) {
+    const __m256i row = _mm256_set1_epi32(quad_of(codes, c));
+    lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(quads[c].lo, row));
+    hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(quads[c].hi, row));
+  }
+  return widened(lo, hi);
+}
+#endif
 
 // The 4-bit form: step s of a block is scale group s.
 template <class Source>
 struct FourBit {
   static constexpr int64_t kStepBytes = 256;
+  using Quads = Quad[kQuads];
   struct Scales {
-    __m512 scale, bias;
+    F16 scale, bias;
   };
 
   static Scales scales_of(const Source& source, int64_t block, int64_t s) {
@@ -222,35 +372,64 @@ struct FourBit {
     source.prefetch(block, s, 1, kPrefetchBytes / kStepBytes);
   }
 
-  // a step's quads as unsigned bytes [16 outputs x 4 inputs]: quads c and c + 4 from chunk c's low and high nibbles
-  static void decode(const uint8_t* src, __m512i quads[kQuads]) {
-    const __m512i nibble = _mm512_set1_epi8(15);
+  // a step's quads: quads c and c + 4 from chunk c's low and high nibbles
+  static void decode(const uint8_t* src, Quads quads) {
     for (int c = 0; c < 4; ++c) {
-      const __m512i bytes = _mm512_loadu_si512(src + 64 * c);
-      quads[c] = _mm512_and_si512(bytes, nibble);
-      quads[c + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+      const Quad bytes = load_quad(src + 64 * c);
+      quads[c] = low_nibbles(bytes);
+      quads[c + 4] = high_nibbles(bytes);
     }
   }
 
-  static __m512 row(const __m512i quads[kQuads], const int8_t* codes, const RowStep& step, const Scales& w,
-                    __m512 acc) {
-    __m512i high = _mm512_setzero_si512(), low = _mm512_setzero_si512();
-    for (int c = 0; c < kQuads; ++c) {
-      high = _mm512_dpbusd_epi32(high, quads[c], quad_of(codes, c));
-      low = _mm512_dpbusd_epi32(low, quads[c], quad_of(codes + kStep, c));
-    }
-    const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high, 7), low));
-    const __m512 part = _mm512_fmadd_ps(w.bias, _mm512_set1_ps(step.sum), _mm512_mul_ps(dots, w.scale));
-    return _mm512_fmadd_ps(part, _mm512_set1_ps(step.scale), acc);
+  static F16 row(const Quads quads, const int8_t* codes, const RowStep& step, const Scales& w, F16 acc) {
+    const I16 high = dot_step4(quads, codes), low = dot_step4(quads, codes + kStep);
+    const F16 dots = as_float(high_plus_low(high, low));
+    const F16 part = fmadd(w.bias, splat(step.sum), mul(dots, w.scale));
+    return fmadd(part, splat(step.scale), acc);
   }
 };
+
+#if HIERSPEC_VNNI == 512
+// The 8-bit form's codes as unsigned bytes code + 128 (VPDPBUSD's operand), the offset taken back by the row's sums
+struct EightQuads {
+  Quad quads[kQuads];
+};
+inline void decode_eight(const uint8_t* src, EightQuads& q) {
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < kQuads; ++c) q.quads[c] = _mm512_xor_si512(_mm512_loadu_si512(src + 64 * c), offset);
+}
+// each group's dot (quads 0..3, then 4..7) of the row's codes, starting from the offsets' take-back
+inline void dot_step8(const EightQuads& q, const int8_t* codes, I16 (&sums)[2]) {
+  for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quads[c], quad_of(codes, c));
+}
+#else
+// The 8-bit form's signed codes as their magnitudes and the codes themselves (for their signs): VPMADDUBSW takes
+// |code| (at most 128) times the row's code signed like the weight, each pair's sum within 2 * 128 * 127 < 2^15
+struct EightQuads {
+  Quad magnitude[kQuads], sign[kQuads];
+};
+inline void decode_eight(const uint8_t* src, EightQuads& q) {
+  for (int c = 0; c < kQuads; ++c) {
+    q.sign[c] = load_quad(src + 64 * c);
+    q.magnitude[c] = {_mm256_abs_epi8(q.sign[c].lo), _mm256_abs_epi8(q.sign[c].hi)};
+  }
+}
+inline void dot_step8(const EightQuads& q, const int8_t* codes, I16 (&sums)[2]) {
+  for (int c = 0; c < kQuads; ++c) {
+    const __m256i row = _mm256_set1_epi32(quad_of(codes, c));
+    sums[c / 4] = add(sums[c / 4], widened(_mm256_maddubs_epi16(q.magnitude[c].lo, _mm256_sign_epi8(row, q.sign[c].lo)),
+                                           _mm256_maddubs_epi16(q.magnitude[c].hi, _mm256_sign_epi8(row, q.sign[c].hi))));
+  }
+}
+#endif
 
 // The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
 template <class Source>
 struct EightBit {
   static constexpr int64_t kStepBytes = 512;
+  using Quads = EightQuads;
   struct Scales {
-    __m512 low, high;
+    F16 low, high;
   };
 
   static Scales scales_of(const Source& source, int64_t block, int64_t s) {
@@ -260,38 +439,36 @@ struct EightBit {
     source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes));
   }
 
-  // a step's quads as unsigned bytes code + 128
-  static void decode(const uint8_t* src, __m512i quads[kQuads]) {
-    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < kQuads; ++c) quads[c] = _mm512_xor_si512(_mm512_loadu_si512(src + 64 * c), offset);
-  }
+  static void decode(const uint8_t* src, Quads& quads) { decode_eight(src, quads); }
 
-  static __m512 row(const __m512i quads[kQuads], const int8_t* codes, const RowStep& step, const Scales& w,
-                    __m512 acc) {
-    // each group's dot of the high codes, and of the low ones with the offset taken back
-    __m512i high[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-    __m512i low[2] = {_mm512_set1_epi32(step.low), _mm512_set1_epi32(step.high)};
-    for (int c = 0; c < kQuads; ++c) {
-      high[c / 4] = _mm512_dpbusd_epi32(high[c / 4], quads[c], quad_of(codes, c));
-      low[c / 4] = _mm512_dpbusd_epi32(low[c / 4], quads[c], quad_of(codes + kStep, c));
-    }
-    const __m512 first = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[0], 7), low[0]));
-    const __m512 second = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[1], 7), low[1]));
-    const __m512 part = _mm512_fmadd_ps(second, w.high, _mm512_mul_ps(first, w.low));
-    return _mm512_fmadd_ps(part, _mm512_set1_ps(step.scale), acc);
+  static F16 row(const Quads& quads, const int8_t* codes, const RowStep& step, const Scales& w, F16 acc) {
+    // each group's dot of the high codes, and of the low ones (the AVX-512 build takes its offset back here)
+    I16 high[2] = {splat_int(0), splat_int(0)};
+#if HIERSPEC_VNNI == 512
+    I16 low[2] = {splat_int(step.low), splat_int(step.high)};
+    for (int c = 0; c < kQuads; ++c) high[c / 4] = dot_quad(high[c / 4], quads.quads[c], quad_of(codes, c));
+#else
+    I16 low[2] = {splat_int(0), splat_int(0)};
+    dot_step8(quads, codes, high);
+#endif
+    dot_step8(quads, codes + kStep, low);
+    const F16 first = as_float(high_plus_low(high[0], low[0]));
+    const F16 second = as_float(high_plus_low(high[1], low[1]));
+    const F16 part = fmadd(second, w.high, mul(first, w.low));
+    return fmadd(part, splat(step.scale), acc);
   }
 };
 
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]
 template <int MT, class Form, class Source>
 void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
-  __m512 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  F16 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = zero16();
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
     prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes);
     Form::prefetch(source, block, s);
-    __m512i quads[kQuads];
+    typename Form::Quads quads;
     Form::decode(codes + s * Form::kStepBytes, quads);
     const auto scales = Form::scales_of(source, block, s);
     for (int m = 0; m < MT; ++m) {
@@ -300,7 +477,7 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
       acc[m] = Form::row(quads, x.codes + 2 * kStep * at, x.steps[at], scales, acc[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + (r0 + m) * w.n + block * kBlock, acc[m]);
+  for (int m = 0; m < MT; ++m) store16(out + (r0 + m) * w.n + block * kBlock, acc[m]);
 }
 
 template <class Form, class Source>
@@ -335,7 +512,8 @@ void all_blocks(const Codes& w, const Source& source, bool eight, int64_t blocks
 
 }  // namespace
 
-// Whether this build can run the AVX512-VNNI products (compiled for a CPU with AVX512_VNNI and AVX512_BW).
+// Whether this build can run the integer products (compiled for a CPU with AVX512_VNNI and AVX512_BW, or with AVX2,
+// FMA and F16C).
 bool vnni_ready() {
 #ifdef HIERSPEC_VNNI
   return true;
@@ -350,7 +528,7 @@ bool vnni_ready() {
 // or factored (check_factors). Returns float32 [M, N].
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                            const torch::Tensor& bias, const torch::Tensor& units) {
-  TORCH_CHECK(vnni_ready(), "the AVX512-VNNI product is not available in this build");
+  TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
   if (factored) check_factors(shape, scale, bias, units);

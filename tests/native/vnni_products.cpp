@@ -1,0 +1,12 @@
+// The integer (VNNI) products alone, for tests/test_vnni_avx2.py: int4_vnni.cpp built for another instruction set
+// (its AVX2 path on a CPU with AVX-512) and compared with the extension hierspec builds for this CPU.
+#include <torch/extension.h>
+
+torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& bias, const torch::Tensor& units);
+bool vnni_ready();
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_vnni_mm", &int4_vnni_mm, "the integer products");
+  m.def("vnni_ready", &vnni_ready, "whether this build runs them");
+}

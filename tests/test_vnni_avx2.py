@@ -1,0 +1,76 @@
+"""The integer (VNNI) products' AVX2 build (``int4_vnni.cpp`` for CPUs without AVX512-VNNI, e.g. AMD Zen 3): built here
+with ``-march=haswell`` whatever this CPU is, it must give the float64 model's products and, bit for bit, those of the
+extension hierspec builds for this CPU (its AVX512-VNNI build on a Zen 4 or a Xeon), for 4-bit and 8-bit codes, stored
+and factored scales and any number of rows."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hierspec.paths import user_cache_dir
+from hierspec.runtime import int4_kernel as k
+
+SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(__file__).with_name("native") / "vnni_products.cpp"]
+MODULE, REASON = k.compiled_kernel()
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    """The integer products compiled for Haswell's instruction set (AVX2, FMA, F16C; no AVX-512), once per source."""
+    if MODULE is None:
+        pytest.skip(str(REASON))
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-march=haswell", "-ffp-contract=fast", "-fopenmp"]
+    source = b"".join(p.read_bytes() for p in SOURCES + [Path(k.__file__).with_name("int4_tiles.h")])
+    key = k.build_key(source + " ".join(flags).encode(), torch.__version__, "haswell")
+    directory = user_cache_dir() / "kernels" / f"vnni-haswell-{key}"
+    directory.mkdir(parents=True, exist_ok=True)
+    module = load(name=f"hierspec_vnni_haswell_{key}", sources=[str(p) for p in SOURCES], build_directory=str(directory),
+                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    assert module.vnni_ready()
+    return module
+
+
+def _weights(eight: bool, factored: bool, half: bool, generator: torch.Generator):
+    """A packed 48 x 768 weight of one form and its float64 values."""
+    if factored:
+        factors, scales, zeros = k.random_factors(generator, 48, 768, eight)
+    else:
+        factors = None
+        shape = (48, 768 // (16 if eight else 32))
+        if half:  # dyadic values float16 holds exactly (the folded bias too): the packing stores them as float16
+            scales = torch.randint(1, 64, shape, generator=generator) / 1024
+            zeros = torch.randint(-64, 64, (48, 768 // 32), generator=generator) / 64
+        else:
+            scales = torch.rand(shape, generator=generator) * 0.1
+            zeros = torch.randn(48, 768 // 32, generator=generator) * 0.1
+    if eight:
+        codes = torch.randint(-128, 128, (48, 768), generator=generator, dtype=torch.int8)
+        return k.pack_vnni_int8(codes, scales, factors), codes.double() * scales.double().repeat_interleave(16, 1)
+    codes = torch.randint(0, 16, (48, 768), generator=generator, dtype=torch.uint8)
+    packed = k.pack_vnni([codes], [scales], [zeros], factors=factors)
+    bias = (zeros - 8 * scales).double()
+    return packed, codes.double() * scales.double().repeat_interleave(32, 1) + bias.repeat_interleave(32, 1)
+
+
+@pytest.mark.parametrize("eight", [False, True], ids=["4-bit", "8-bit"])
+@pytest.mark.parametrize("scales", ["float32", "float16", "factored"])
+def test_the_avx2_build_of_the_integer_products_equals_their_model_and_this_cpus_build(avx2, eight, scales):
+    generator = torch.Generator().manual_seed(21)
+    packed, weight = _weights(eight, scales == "factored", scales == "float16", generator)
+    if scales == "float16":
+        assert packed.scales.dtype == torch.float16
+    rows = torch.randn(19, 768, generator=generator) * torch.logspace(-2, 2, 768)
+    native = k.vnni_reason() is None
+    for count in (1, 3, 8, 9, 19):
+        x = rows[:count].contiguous()
+        got = avx2.int4_vnni_mm(x, packed.codes, packed.scales, packed.bias, packed.units)
+        expected = k.vnni_rounded(x) @ weight.t()
+        assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5, count
+        if native:
+            assert torch.equal(got, MODULE.int4_vnni_mm(x, packed.codes, packed.scales, packed.bias, packed.units))
+        if count > 1:  # each row as alone
+            assert torch.equal(got[-1:], avx2.int4_vnni_mm(x[-1:].contiguous(), packed.codes, packed.scales,
+                                                           packed.bias, packed.units))
