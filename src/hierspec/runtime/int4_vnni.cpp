@@ -98,38 +98,40 @@ struct Rows {
   int64_t steps_per_row;
 };
 
-// ---- 16 outputs' float32 and int32 lanes: one AVX-512 register, or two AVX2 ones (halves of 8 outputs)
+// A block's 16 outputs in kParts parts of kWidth lanes: one AVX-512 register, or two AVX2 ones of 8 outputs each. A
+// step's part is multiplied by every row before the next part (AVX2 has 16 registers: a part's 8 quads stay in them).
 #if HIERSPEC_VNNI == 512
-using F16 = __m512;
-using I16 = __m512i;
-inline F16 splat(float v) { return _mm512_set1_ps(v); }
-inline F16 zero16() { return _mm512_setzero_ps(); }
-inline F16 mul(F16 a, F16 b) { return _mm512_mul_ps(a, b); }
-inline F16 fmadd(F16 a, F16 b, F16 c) { return _mm512_fmadd_ps(a, b, c); }
-inline F16 as_float(I16 v) { return _mm512_cvtepi32_ps(v); }
-inline I16 high_plus_low(I16 high, I16 low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 7), low); }
-inline void store16(float* p, F16 v) { _mm512_storeu_ps(p, v); }
+using FV = __m512;   // a part's float32 lanes
+using IV = __m512i;  // its int32 lanes, or its quads' bytes (kWidth outputs x 4 inputs)
+constexpr int kParts = 1, kWidth = 16;
+inline FV splat(float v) { return _mm512_set1_ps(v); }
+inline FV zero_part() { return _mm512_setzero_ps(); }
+inline FV mul(FV a, FV b) { return _mm512_mul_ps(a, b); }
+inline FV fmadd(FV a, FV b, FV c) { return _mm512_fmadd_ps(a, b, c); }
+inline FV as_float(IV v) { return _mm512_cvtepi32_ps(v); }
+inline IV splat_int(int32_t v) { return _mm512_set1_epi32(v); }
+inline IV high_plus_low(IV high, IV low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 7), low); }
+inline void store_part(float* p, FV v) { _mm512_storeu_ps(p, v); }
+inline IV load_bytes(const uint8_t* src) { return _mm512_loadu_si512(src); }
+inline IV low_nibbles(IV bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
+inline IV high_nibbles(IV bytes) { return low_nibbles(_mm512_srli_epi16(bytes, 4)); }
 #else
-struct F16 {
-  __m256 lo, hi;
-};
-struct I16 {
-  __m256i lo, hi;
-};
-inline F16 splat(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-inline F16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline F16 mul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-inline F16 fmadd(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline F16 as_float(I16 v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
-inline I16 high_plus_low(I16 high, I16 low) {
-  return {_mm256_add_epi32(_mm256_slli_epi32(high.lo, 7), low.lo),
-          _mm256_add_epi32(_mm256_slli_epi32(high.hi, 7), low.hi)};
-}
-inline void store16(float* p, F16 v) {
-  _mm256_storeu_ps(p, v.lo);
-  _mm256_storeu_ps(p + 8, v.hi);
-}
+using FV = __m256;
+using IV = __m256i;
+constexpr int kParts = 2, kWidth = 8;
+inline FV splat(float v) { return _mm256_set1_ps(v); }
+inline FV zero_part() { return _mm256_setzero_ps(); }
+inline FV mul(FV a, FV b) { return _mm256_mul_ps(a, b); }
+inline FV fmadd(FV a, FV b, FV c) { return _mm256_fmadd_ps(a, b, c); }
+inline FV as_float(IV v) { return _mm256_cvtepi32_ps(v); }
+inline IV splat_int(int32_t v) { return _mm256_set1_epi32(v); }
+inline IV high_plus_low(IV high, IV low) { return _mm256_add_epi32(_mm256_slli_epi32(high, 7), low); }
+inline void store_part(float* p, FV v) { _mm256_storeu_ps(p, v); }
+inline IV load_bytes(const uint8_t* src) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)); }
+inline IV low_nibbles(IV bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi8(15)); }
+inline IV high_nibbles(IV bytes) { return low_nibbles(_mm256_srli_epi16(bytes, 4)); }
 #endif
+constexpr int64_t kQuadPartBytes = 4 * kWidth;  // a quad's bytes of one part
 
 // A step of 32 inputs as its 32 high codes, then its 32 low ones (see rounded_rows), each within +-127, and its RowStep:
 // the same float32 operations per input in both builds, so the same codes
@@ -206,33 +208,26 @@ void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& 
     steps[static_cast<size_t>(i)] = round_step(x + kStep * i, codes.data() + 2 * kStep * i);
 }
 
-// 16 scales (or biases, or their integer steps) as float32
+// kWidth scales (or biases, or their integer steps) as float32
 #if HIERSPEC_VNNI == 512
-inline F16 sixteen(const float* values) { return _mm512_loadu_ps(values); }
-inline F16 sixteen(const uint16_t* values) {
+inline FV widened(const float* values) { return _mm512_loadu_ps(values); }
+inline FV widened(const uint16_t* values) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values)));
 }
-inline F16 sixteen(const uint8_t* values) {
+inline FV widened(const uint8_t* values) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
 }
-inline F16 sixteen(const int8_t* values) {
+inline FV widened(const int8_t* values) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))));
 }
 #else
 inline __m128i eight_bytes(const void* values) { return _mm_loadl_epi64(static_cast<const __m128i*>(values)); }
-inline F16 sixteen(const float* values) { return {_mm256_loadu_ps(values), _mm256_loadu_ps(values + 8)}; }
-inline F16 sixteen(const uint16_t* values) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + 8)))};
+inline FV widened(const float* values) { return _mm256_loadu_ps(values); }
+inline FV widened(const uint16_t* values) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)));
 }
-inline F16 sixteen(const uint8_t* values) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(values))),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(values + 8)))};
-}
-inline F16 sixteen(const int8_t* values) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(values))),
-          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(values + 8)))};
-}
+inline FV widened(const uint8_t* values) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight_bytes(values))); }
+inline FV widened(const int8_t* values) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight_bytes(values))); }
 #endif
 
 // Each step asks for the codes it will read kPrefetchBytes later and its scales' lines as many steps ahead, so memory
@@ -259,8 +254,12 @@ struct Stored {
   const S* bias;  // nullptr for 8-bit codes
   int64_t groups;
 
-  F16 scale_at(int64_t block, int64_t group) const { return sixteen(scale + (block * groups + group) * kBlock); }
-  F16 bias_at(int64_t block, int64_t group) const { return sixteen(bias + (block * groups + group) * kBlock); }
+  FV scale_at(int64_t block, int64_t group, int part) const {
+    return widened(scale + (block * groups + group) * kBlock + part * kWidth);
+  }
+  FV bias_at(int64_t block, int64_t group, int part) const {
+    return widened(bias + (block * groups + group) * kBlock + part * kWidth);
+  }
   // the lines of `count` groups from `group` on, `ahead` groups later
   __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
     const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock * sizeof(S);
@@ -280,14 +279,14 @@ struct Factored {
   const float* units;   // [2 or 1, blocks, supers, 16]: the scales' units, then the biases'
   int64_t groups, blocks, supers, groups_per_super;
 
-  F16 unit(int64_t which, int64_t block, int64_t group) const {
-    return sixteen(units + ((which * blocks + block) * supers + group / groups_per_super) * kBlock);
+  FV unit(int64_t which, int64_t block, int64_t group, int part) const {
+    return widened(units + ((which * blocks + block) * supers + group / groups_per_super) * kBlock + part * kWidth);
   }
-  F16 scale_at(int64_t block, int64_t group) const {
-    return mul(sixteen(scale + (block * groups + group) * kBlock), unit(0, block, group));
+  FV scale_at(int64_t block, int64_t group, int part) const {
+    return mul(widened(scale + (block * groups + group) * kBlock + part * kWidth), unit(0, block, group, part));
   }
-  F16 bias_at(int64_t block, int64_t group) const {
-    return mul(sixteen(bias + (block * groups + group) * kBlock), unit(1, block, group));
+  FV bias_at(int64_t block, int64_t group, int part) const {
+    return mul(widened(bias + (block * groups + group) * kBlock + part * kWidth), unit(1, block, group, part));
   }
   // the steps' lines of `count` groups from `group` on, `ahead` groups later (the units, 1/16 of the codes' bytes or
   // less, are left to the hardware's prefetcher)
@@ -306,53 +305,25 @@ inline int32_t quad_of(const int8_t* codes, int c) {
 }
 
 #if HIERSPEC_VNNI == 512
-// A step's quad: 16 outputs x 4 inputs as unsigned bytes
-using Quad = __m512i;
-inline Quad load_quad(const uint8_t* src) { return _mm512_loadu_si512(src); }
-inline Quad low_nibbles(Quad bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
-inline Quad high_nibbles(Quad bytes) { return low_nibbles(_mm512_srli_epi16(bytes, 4)); }
-inline I16 splat_int(int32_t v) { return _mm512_set1_epi32(v); }
-// acc + each output's sum of its 4 bytes times the row's 4 codes
-inline I16 dot_quad(I16 acc, Quad weights, int32_t codes) {
+// acc + each output's sum of its 4 bytes (unsigned) times the row's 4 codes
+inline IV dot_quad(IV acc, IV weights, int32_t codes) {
   return _mm512_dpbusd_epi32(acc, weights, _mm512_set1_epi32(codes));
 }
-// the 4-bit form's sum over a step's 8 quads (every product below 2^11: VPDPBUSD is exact)
-inline I16 dot_step4(const Quad quads[kQuads], const int8_t* codes) {
-  I16 sum = _mm512_setzero_si512();
+// the 4-bit form's sums over a step's 8 quads (every product below 2^11: VPDPBUSD is exact)
+inline IV dot_step4(const IV quads[kQuads], const int8_t* codes) {
+  IV sum = _mm512_setzero_si512();
   for (int c = 0; c < kQuads; ++c) sum = dot_quad(sum, quads[c], quad_of(codes, c));
   return sum;
 }
 #else
-// A step's quad in two halves of 8 outputs x 4 inputs
-struct Quad {
-  __m256i lo, hi;
-};
-inline Quad load_quad(const uint8_t* src) {
-  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32))};
-}
-inline Quad low_nibbles(Quad b) {
-  const __m256i nibble = _mm256_set1_epi8(15);
-  return {_mm256_and_si256(b.lo, nibble), _mm256_and_si256(b.hi, nibble)};
-}
-inline Quad high_nibbles(Quad b) { return low_nibbles({_mm256_srli_epi16(b.lo, 4), _mm256_srli_epi16(b.hi, 4)}); }
-inline I16 splat_int(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-inline I16 add(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 // pairs of int16 sums widened to each output's int32 sum of 4
-inline I16 widened(__m256i lo, __m256i hi) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  return {_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones)};
-}
-// the 4-bit form's sum over a step's 8 quads: VPMADDUBSW's int16 pair sums of codes 0..15 times row codes within
+inline IV widened_pairs(IV pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)); }
+// the 4-bit form's sums over a step's 8 quads: VPMADDUBSW's int16 pair sums of codes 0..15 times row codes within
 // +-127 stay below 2 * 15 * 127, so the 8 quads' (at most 30,480) are summed in int16 before one widening
-inline I16 dot_step4(const Quad quads[kQuads], const int8_t* codes) {
-  __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
-  for (int c = 0; c < kQuads; ++c) {
-    const __m256i row = _mm256_set1_epi32(quad_of(codes, c));
-    lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(quads[c].lo, row));
-    hi = _mm256_add_epi16(hi, _mm256_maddubs_epi16(quads[c].hi, row));
-  }
-  return widened(lo, hi);
+inline IV dot_step4(const IV quads[kQuads], const int8_t* codes) {
+  IV sum = _mm256_setzero_si256();
+  for (int c = 0; c < kQuads; ++c) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(quads[c], splat_int(quad_of(codes, c))));
+  return widened_pairs(sum);
 }
 #endif
 
@@ -360,31 +331,33 @@ inline I16 dot_step4(const Quad quads[kQuads], const int8_t* codes) {
 template <class Source>
 struct FourBit {
   static constexpr int64_t kStepBytes = 256;
-  using Quads = Quad[kQuads];
+  struct Quads {
+    IV quad[kQuads];
+  };
   struct Scales {
-    F16 scale, bias;
+    FV scale, bias;
   };
 
-  static Scales scales_of(const Source& source, int64_t block, int64_t s) {
-    return {source.scale_at(block, s), source.bias_at(block, s)};
+  static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
+    return {source.scale_at(block, s, part), source.bias_at(block, s, part)};
   }
   __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
     source.prefetch(block, s, 1, kPrefetchBytes / kStepBytes);
   }
 
-  // a step's quads: quads c and c + 4 from chunk c's low and high nibbles
-  static void decode(const uint8_t* src, Quads quads) {
+  // a part of a step's quads: quads c and c + 4 from chunk c's low and high nibbles
+  static void decode(const uint8_t* src, int part, Quads& q) {
     for (int c = 0; c < 4; ++c) {
-      const Quad bytes = load_quad(src + 64 * c);
-      quads[c] = low_nibbles(bytes);
-      quads[c + 4] = high_nibbles(bytes);
+      const IV bytes = load_bytes(src + 64 * c + part * kQuadPartBytes);
+      q.quad[c] = low_nibbles(bytes);
+      q.quad[c + 4] = high_nibbles(bytes);
     }
   }
 
-  static F16 row(const Quads quads, const int8_t* codes, const RowStep& step, const Scales& w, F16 acc) {
-    const I16 high = dot_step4(quads, codes), low = dot_step4(quads, codes + kStep);
-    const F16 dots = as_float(high_plus_low(high, low));
-    const F16 part = fmadd(w.bias, splat(step.sum), mul(dots, w.scale));
+  static FV row(const Quads& q, const int8_t* codes, const RowStep& step, const Scales& w, FV acc) {
+    const IV high = dot_step4(q.quad, codes), low = dot_step4(q.quad, codes + kStep);
+    const FV dots = as_float(high_plus_low(high, low));
+    const FV part = fmadd(w.bias, splat(step.sum), mul(dots, w.scale));
     return fmadd(part, splat(step.scale), acc);
   }
 };
@@ -392,35 +365,36 @@ struct FourBit {
 #if HIERSPEC_VNNI == 512
 // The 8-bit form's codes as unsigned bytes code + 128 (VPDPBUSD's operand), the offset taken back by the row's sums
 struct EightQuads {
-  Quad quads[kQuads];
+  IV quad[kQuads];
 };
-inline void decode_eight(const uint8_t* src, EightQuads& q) {
-  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int c = 0; c < kQuads; ++c) q.quads[c] = _mm512_xor_si512(_mm512_loadu_si512(src + 64 * c), offset);
+inline void decode_eight(const uint8_t* src, int, EightQuads& q) {
+  const IV offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < kQuads; ++c) q.quad[c] = _mm512_xor_si512(load_bytes(src + 64 * c), offset);
 }
-// each group's dot (quads 0..3, then 4..7) of the row's codes, starting from the offsets' take-back
-inline void dot_step8(const EightQuads& q, const int8_t* codes, I16 (&sums)[2]) {
-  for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quads[c], quad_of(codes, c));
+// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`
+inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
+  for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
 }
+// the offsets' take-back the low codes' sums start from: -128 x the sum of 128 high + low over each group
+inline void offset_sums(const RowStep& step, IV (&sums)[2]) { sums[0] = splat_int(step.low), sums[1] = splat_int(step.high); }
 #else
 // The 8-bit form's signed codes as their magnitudes and the codes themselves (for their signs): VPMADDUBSW takes
 // |code| (at most 128) times the row's code signed like the weight, each pair's sum within 2 * 128 * 127 < 2^15
 struct EightQuads {
-  Quad magnitude[kQuads], sign[kQuads];
+  IV magnitude[kQuads], sign[kQuads];
 };
-inline void decode_eight(const uint8_t* src, EightQuads& q) {
+inline void decode_eight(const uint8_t* src, int part, EightQuads& q) {
   for (int c = 0; c < kQuads; ++c) {
-    q.sign[c] = load_quad(src + 64 * c);
-    q.magnitude[c] = {_mm256_abs_epi8(q.sign[c].lo), _mm256_abs_epi8(q.sign[c].hi)};
+    q.sign[c] = load_bytes(src + 64 * c + part * kQuadPartBytes);
+    q.magnitude[c] = _mm256_abs_epi8(q.sign[c]);
   }
 }
-inline void dot_step8(const EightQuads& q, const int8_t* codes, I16 (&sums)[2]) {
-  for (int c = 0; c < kQuads; ++c) {
-    const __m256i row = _mm256_set1_epi32(quad_of(codes, c));
-    sums[c / 4] = add(sums[c / 4], widened(_mm256_maddubs_epi16(q.magnitude[c].lo, _mm256_sign_epi8(row, q.sign[c].lo)),
-                                           _mm256_maddubs_epi16(q.magnitude[c].hi, _mm256_sign_epi8(row, q.sign[c].hi))));
-  }
+inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
+  for (int c = 0; c < kQuads; ++c)
+    sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(_mm256_maddubs_epi16(
+                                                    q.magnitude[c], _mm256_sign_epi8(splat_int(quad_of(codes, c)), q.sign[c]))));
 }
+inline void offset_sums(const RowStep&, IV (&sums)[2]) { sums[0] = sums[1] = splat_int(0); }
 #endif
 
 // The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
@@ -429,32 +403,27 @@ struct EightBit {
   static constexpr int64_t kStepBytes = 512;
   using Quads = EightQuads;
   struct Scales {
-    F16 low, high;
+    FV low, high;
   };
 
-  static Scales scales_of(const Source& source, int64_t block, int64_t s) {
-    return {source.scale_at(block, 2 * s), source.scale_at(block, 2 * s + 1)};
+  static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
+    return {source.scale_at(block, 2 * s, part), source.scale_at(block, 2 * s + 1, part)};
   }
   __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
     source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes));
   }
 
-  static void decode(const uint8_t* src, Quads& quads) { decode_eight(src, quads); }
+  static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
 
-  static F16 row(const Quads& quads, const int8_t* codes, const RowStep& step, const Scales& w, F16 acc) {
-    // each group's dot of the high codes, and of the low ones (the AVX-512 build takes its offset back here)
-    I16 high[2] = {splat_int(0), splat_int(0)};
-#if HIERSPEC_VNNI == 512
-    I16 low[2] = {splat_int(step.low), splat_int(step.high)};
-    for (int c = 0; c < kQuads; ++c) high[c / 4] = dot_quad(high[c / 4], quads.quads[c], quad_of(codes, c));
-#else
-    I16 low[2] = {splat_int(0), splat_int(0)};
+  static FV row(const Quads& quads, const int8_t* codes, const RowStep& step, const Scales& w, FV acc) {
+    // each group's dot of the high codes, and of the low ones (starting from the AVX-512 build's offset take-back)
+    IV high[2] = {splat_int(0), splat_int(0)}, low[2];
+    offset_sums(step, low);
     dot_step8(quads, codes, high);
-#endif
     dot_step8(quads, codes + kStep, low);
-    const F16 first = as_float(high_plus_low(high[0], low[0]));
-    const F16 second = as_float(high_plus_low(high[1], low[1]));
-    const F16 part = fmadd(second, w.high, mul(first, w.low));
+    const FV first = as_float(high_plus_low(high[0], low[0]));
+    const FV second = as_float(high_plus_low(high[1], low[1]));
+    const FV part = fmadd(second, w.high, mul(first, w.low));
     return fmadd(part, splat(step.scale), acc);
   }
 };
@@ -462,22 +431,26 @@ struct EightBit {
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]
 template <int MT, class Form, class Source>
 void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
-  F16 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = zero16();
+  FV acc[MT][kParts];
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
     prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes);
     Form::prefetch(source, block, s);
-    typename Form::Quads quads;
-    Form::decode(codes + s * Form::kStepBytes, quads);
-    const auto scales = Form::scales_of(source, block, s);
-    for (int m = 0; m < MT; ++m) {
-      const int64_t r = r0 + m;
-      const int64_t at = r * x.steps_per_row + s;
-      acc[m] = Form::row(quads, x.codes + 2 * kStep * at, x.steps[at], scales, acc[m]);
+    for (int part = 0; part < kParts; ++part) {
+      typename Form::Quads quads;
+      Form::decode(codes + s * Form::kStepBytes, part, quads);
+      const auto scales = Form::scales_of(source, block, s, part);
+      for (int m = 0; m < MT; ++m) {
+        const int64_t at = (r0 + m) * x.steps_per_row + s;
+        acc[m][part] = Form::row(quads, x.codes + 2 * kStep * at, x.steps[at], scales, acc[m][part]);
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) store16(out + (r0 + m) * w.n + block * kBlock, acc[m]);
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part)
+      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
 }
 
 template <class Form, class Source>
