@@ -90,3 +90,23 @@ def test_a_float16_cache_stores_entries_rounded_and_refuses_ones_beyond_its_rang
     assert torch.equal(held_values, values.half())
     with pytest.raises(InputError, match="--kv-cache model"):
         cache.layers[0].update(keys * 1e5, values)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_cache_goes_to_the_model_under_the_keyword_its_forward_names(arch):
+    """transformers renamed ``past_key_values`` to ``cache`` (the old name leaves in 5.40): the keyword hierspec
+    passes must be one the model's forward names, the model must fill the cache through it, and no deprecation
+    warning may come of it. Fails loudly when transformers renames it again."""
+    import inspect
+    import warnings
+
+    from hierspec.runtime.kv_cache import TreeCache, cache_argument
+
+    model = make_target(arch, vocab_size=32, seed=3).model
+    cache = TreeCache(model.config.num_hidden_layers)
+    (keyword,) = cache_argument(model, cache)
+    assert keyword in inspect.signature(type(model).forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(input_ids=torch.tensor([[3, 5, 7]]), **cache_argument(model, cache), use_cache=True)
+    assert cache.get_seq_length() == 3

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hierspec.accept import row_argmax
+from hierspec.runtime.kv_cache import cache_argument
 from hierspec.target import TargetModel
 
 #: a batch is compacted (finished rows dropped from the cache) once this share of its rows has finished
@@ -54,7 +55,7 @@ def _generate_group(target: TargetModel, prompts: list[list[int]], room: int) ->
     # batched rows through the model's own modules: a growing cache in the model's dtype
     cache = target.runtime.eager_cache(capacity=width + room, modules=True)
     logits = target.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
-                          past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                          **cache_argument(target.model, cache), use_cache=True, logits_to_keep=1).logits[:, -1]
     answers: list[list[int]] = [[] for _ in prompts]
     alive = list(range(rows))  # batch row -> prompt
     done = np.zeros(rows, dtype=bool)  # rows that produced an end-of-sequence token
@@ -80,6 +81,6 @@ def _generate_group(target: TargetModel, prompts: list[list[int]], room: int) ->
             valid, next_ids, last = valid[index], next_ids[index], last[index]
             alive, done = [alive[row] for row in keep], done[keep]
         logits = target.model(input_ids=next_ids, position_ids=last[:, None],
-                              attention_mask=valid[: len(alive), None, None, :length], past_key_values=cache,
-                              use_cache=True).logits[:, -1]
+                              attention_mask=valid[: len(alive), None, None, :length],
+                              **cache_argument(target.model, cache), use_cache=True).logits[:, -1]
     return answers

@@ -36,7 +36,7 @@ from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
-from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, doubled_capacity
+from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
@@ -292,7 +292,7 @@ class Runtime:
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         if self.decoder is not None:
             return self._owned_prefill(cache, input_ids, want_hidden)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = self.model(input_ids=input_ids, **cache_argument(self.model, cache), use_cache=True, logits_to_keep=1,
                          output_hidden_states=want_hidden)
         return out.hidden_states[-1][0, -1] if want_hidden else None
 
@@ -315,7 +315,7 @@ class Runtime:
                 return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden,
                                             self.exact)
         with cache.aligned(self.align):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, past_key_values=cache,
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **cache_argument(self.model, cache),
                              use_cache=True, output_hidden_states=want_hidden,
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hierspec.runtime.kv_cache import cache_argument
 from hierspec.tree import DraftTree, ancestor_matrix
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class GraphedForward:
         columns = torch.arange(width, device=self.device)
         mask = (columns[None, :] <= torch.arange(past, past + n, device=self.device)[:, None])[None, None]
         out = self.model(input_ids=torch.tensor([list(ids)], device=self.device), position_ids=cache.plan.slots[None],
-                         attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                         attention_mask=mask, **cache_argument(self.model, cache), use_cache=True, logits_to_keep=1,
                          output_hidden_states=want_hidden)
         cache.length = past + n
         return out.hidden_states[-1][0, -1] if want_hidden else None
@@ -245,7 +246,8 @@ class GraphedForward:
 
     def _run(self, shape: _Shape, cache: StaticTreeCache, want_hidden: bool):
         out = self.model(input_ids=shape.ids, position_ids=shape.positions, attention_mask=shape.mask,
-                         past_key_values=cache, use_cache=True, output_hidden_states=want_hidden, logits_to_keep=0)
+                         **cache_argument(self.model, cache), use_cache=True, output_hidden_states=want_hidden,
+                         logits_to_keep=0)
         return out.logits[0], (out.hidden_states[-1][0] if want_hidden else None)
 
     def _capture(self, shape: _Shape, cache: StaticTreeCache, want_hidden: bool) -> None:

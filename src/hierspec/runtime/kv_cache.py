@@ -17,7 +17,9 @@ token's attention output would depend on how many tree nodes were verified besid
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import functools
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -27,6 +29,18 @@ from hierspec.runtime.int4_kernel import loaded_kernel
 
 #: slots a layer's buffer starts with when no size is given
 DEFAULT_CAPACITY = 256
+
+
+def cache_argument(model: torch.nn.Module, cache) -> Mapping[str, object]:
+    """``cache`` as the keyword argument ``model``'s forward takes it: ``cache=`` where its signature names one
+    (transformers' recent releases: ``past_key_values`` is deprecated there and leaves in 5.40), else
+    ``past_key_values=``. Every call that hands a model its KV cache goes through here."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class GrowableLayer(CacheLayerMixin):
