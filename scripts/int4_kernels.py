@@ -15,8 +15,9 @@ stream from memory as they do in decoding), kernels interleaved. ``curves`` meas
 curve (1–32 tokens), interleaved over ``--rounds``. Run it with ``ATEN_CPU_CAPABILITY=avx2`` to time PyTorch's AVX2
 kernels; the compiled kernels then still use this CPU's widest instructions unless ``--march`` names another
 instruction set for hierspec's extension (``--march znver3``: the AVX2 builds a Zen 3 runs, measured on this CPU; the
-build goes into its own cache directory). ``halves`` loads the model twice — one decoder with its compiled layer halves, one running
-operation by operation — and prints both verification cost curves, interleaved over ``--rounds``.
+build goes into its own cache directory). ``halves`` loads the model twice — one decoder with its compiled layer
+halves, one running operation by operation — and prints both verification cost curves, interleaved over
+``--rounds``.
 ``attention`` loads the model twice — one decoder running each layer as one compiled call with its exact attention
 (``int4_attention.cpp``), one running the layer halves around the numba kernel — and prints both curves.
 ``agreement`` measures what each kernel's rounding does to the model: the compiled kernel (float32 rows, the file's

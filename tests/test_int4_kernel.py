@@ -384,7 +384,7 @@ def test_decoding_products_that_are_wrong_or_missing_are_reported(monkeypatch):
 
     assert k._check_amx(Wrong()) == "the AMX products compute wrong products"
     assert k._check_bf16(Wrong()) == "the AVX512-BF16 products compute wrong products"
-    assert k._check_vnni(Wrong()) == "the AVX512-VNNI products compute wrong products"
+    assert k._check_vnni(Wrong()) == "the integer (VNNI) products compute wrong products"
     monkeypatch.setattr(k, "compiled_kernel", lambda: (NoTiles(), None))
     assert k.amx_reason() == "this CPU (or its operating system) offers no AMX-BF16 tiles"
     assert k.bf16_reason() == "this CPU has no AVX512_BF16 instructions"

@@ -27,8 +27,8 @@ def avx2():
     key = k.build_key(source + " ".join(flags).encode(), torch.__version__, "haswell")
     directory = user_cache_dir() / "kernels" / f"vnni-haswell-{key}"
     directory.mkdir(parents=True, exist_ok=True)
-    module = load(name=f"hierspec_vnni_haswell_{key}", sources=[str(p) for p in SOURCES], build_directory=str(directory),
-                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+    module = load(name=f"hierspec_vnni_haswell_{key}", sources=[str(p) for p in SOURCES],
+                  build_directory=str(directory), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     assert module.vnni_ready()
     return module
 

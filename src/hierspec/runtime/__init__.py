@@ -315,8 +315,8 @@ class Runtime:
                 return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden,
                                             self.exact)
         with cache.aligned(self.align):
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, **cache_argument(self.model, cache),
-                             use_cache=True, output_hidden_states=want_hidden,
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             **cache_argument(self.model, cache), use_cache=True, output_hidden_states=want_hidden,
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
         return out.logits[0], hidden

@@ -266,8 +266,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
   m.def("bf16_ready", &bf16_ready, "whether the AVX512-BF16 products can run in this build");
   m.def("int4_bf16_mm", &int4_bf16_mm, "4-bit or 8-bit product of float32 rows by AVX512-BF16 dot products");
-  m.def("vnni_ready", &vnni_ready, "whether the AVX512-VNNI products can run in this build");
-  m.def("int4_vnni_mm", &int4_vnni_mm, "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by AVX512-VNNI");
+  m.def("vnni_ready", &vnni_ready, "whether the integer (VNNI) products can run in this build");
+  m.def("int4_vnni_mm", &int4_vnni_mm,
+        "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");

@@ -1,7 +1,6 @@
 """hierspec's own quantized products (``int4_kernel.cpp``, ``int4_amx.cpp``, ``int4_bf16.cpp``, ``int4_vnni.cpp``) and
-the int4
-decoder's layer halves around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between those
-products and PyTorch's.
+the int4 decoder's layer halves around attention (``int4_blocks.cpp``), compiled once per CPU; the choice between
+those products and PyTorch's.
 
 PyTorch's weight-only int4 kernel (``aten._weight_int4pack_mm_for_cpu``) streams a GGUF file's 4-bit weights at
 about half the machine's memory bandwidth for one row and takes bfloat16 inputs only (BENCHMARKS.md, "Compiled int4
@@ -51,8 +50,8 @@ from hierspec.storage import write_json_atomic
 log = logging.getLogger(__name__)
 
 #: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
-#: AMX, AVX512-BF16 and AVX512-VNNI products, the compiled layers' exact attention, the verifier's row top-k and the cache's path
-#: move
+#: AMX, AVX512-BF16 and integer (VNNI) products, the compiled layers' exact attention, the verifier's row top-k and the
+#: cache's path move
 SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
            Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_bf16.cpp"),
            Path(__file__).with_name("int4_vnni.cpp"),
@@ -404,34 +403,30 @@ def _check(module) -> str | None:
 def amx_reason() -> str | None:
     """Why the AMX products (``int4_amx.cpp``) cannot run here — no compiled kernel, a CPU without AMX-BF16, tiles
     the operating system refuses, wrong products — or ``None`` when they can."""
-    module, reason = compiled_kernel()
-    if module is None:
-        return reason
-    if not module.amx_ready():
-        return "this CPU (or its operating system) offers no AMX-BF16 tiles"
-    return _check_amx(module)
+    return _own_kernel_reason("amx_ready", "this CPU (or its operating system) offers no AMX-BF16 tiles", _check_amx)
 
 
 def bf16_reason() -> str | None:
     """Why the AVX512-BF16 products (``int4_bf16.cpp``) cannot run here — no compiled kernel, a CPU without
     AVX512_BF16, wrong products — or ``None`` when they can."""
-    module, reason = compiled_kernel()
-    if module is None:
-        return reason
-    if not module.bf16_ready():
-        return "this CPU has no AVX512_BF16 instructions"
-    return _check_bf16(module)
+    return _own_kernel_reason("bf16_ready", "this CPU has no AVX512_BF16 instructions", _check_bf16)
 
 
 def vnni_reason() -> str | None:
     """Why the integer (VNNI) products (``int4_vnni.cpp``) cannot run here — no compiled kernel, a CPU with neither
     AVX512_VNNI nor AVX2 (with FMA and F16C), wrong products — or ``None`` when they can."""
+    return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C", _check_vnni)
+
+
+def _own_kernel_reason(ready: str, missing: str, check: Callable) -> str | None:
+    """Why one of the extension's CPU-specific products cannot run: the build's reason, ``missing`` where its
+    ``ready`` binding says this build lacks the instructions, else ``check``'s verdict on its products."""
     module, reason = compiled_kernel()
     if module is None:
         return reason
-    if not module.vnni_ready():
-        return "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C"
-    return _check_vnni(module)
+    if not getattr(module, ready)():
+        return missing
+    return check(module)
 
 
 def _as_bfloat16(values: torch.Tensor) -> torch.Tensor:
@@ -453,10 +448,10 @@ def _check_bf16(module) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _check_vnni(module) -> str | None:
-    """Why the AVX512-VNNI products are wrong or depend on the rows beside them (their weights exact, their rows
+    """Why the integer (VNNI) products are wrong or depend on the rows beside them (their weights exact, their rows
     rounded by :func:`vnni_rounded`), or differ with factored scales from the same scales stored whole."""
     return (_check_decoding_products(module, pack_vnni, pack_vnni_int8, vnni_rounded, lambda w: w,
-                                     "the AVX512-VNNI products") or _check_vnni_factors(module))
+                                     "the integer (VNNI) products") or _check_vnni_factors(module))
 
 
 def random_factors(generator: torch.Generator, out_features: int, in_features: int, eight: bool):
@@ -490,8 +485,8 @@ def _check_vnni_factors(module) -> str | None:
         same = all(torch.equal(int4_mm(module, rows, factored), int4_mm(module, rows, whole))
                    for factored, whole in pairs)
     except RuntimeError as exc:
-        return f"the AVX512-VNNI products with factored scales fail ({_first_line(exc)})"
-    return None if same else "the AVX512-VNNI products with factored scales differ from the same scales stored whole"
+        return f"the integer (VNNI) products with factored scales fail ({_first_line(exc)})"
+    return None if same else "the integer (VNNI) products with factored scales differ from the same scales stored whole"
 
 
 def _check_decoding_products(module, pack4: Callable, pack8: Callable, rounded_rows: Callable,

@@ -133,8 +133,8 @@ inline IV high_nibbles(IV bytes) { return low_nibbles(_mm256_srli_epi16(bytes, 4
 #endif
 constexpr int64_t kQuadPartBytes = 4 * kWidth;  // a quad's bytes of one part
 
-// A step of 32 inputs as its 32 high codes, then its 32 low ones (see rounded_rows), each within +-127, and its RowStep:
-// the same float32 operations per input in both builds, so the same codes
+// A step of 32 inputs as its 32 high codes, then its 32 low ones (see rounded_rows), each within +-127, and its
+// RowStep: the same float32 operations per input in both builds, so the same codes
 #if HIERSPEC_VNNI == 512
 // 16 inputs' high and low codes
 inline void split(__m512 x, __m512 d, __m512 inverse, __m512i& high, __m512i& low) {
@@ -322,7 +322,8 @@ inline IV widened_pairs(IV pairs) { return _mm256_madd_epi16(pairs, _mm256_set1_
 // +-127 stay below 2 * 15 * 127, so the 8 quads' (at most 30,480) are summed in int16 before one widening
 inline IV dot_step4(const IV quads[kQuads], const int8_t* codes) {
   IV sum = _mm256_setzero_si256();
-  for (int c = 0; c < kQuads; ++c) sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(quads[c], splat_int(quad_of(codes, c))));
+  for (int c = 0; c < kQuads; ++c)
+    sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(quads[c], splat_int(quad_of(codes, c))));
   return widened_pairs(sum);
 }
 #endif
@@ -376,7 +377,10 @@ inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
 }
 // the offsets' take-back the low codes' sums start from: -128 x the sum of 128 high + low over each group
-inline void offset_sums(const RowStep& step, IV (&sums)[2]) { sums[0] = splat_int(step.low), sums[1] = splat_int(step.high); }
+inline void offset_sums(const RowStep& step, IV (&sums)[2]) {
+  sums[0] = splat_int(step.low);
+  sums[1] = splat_int(step.high);
+}
 #else
 // The 8-bit form's signed codes as their magnitudes and the codes themselves (for their signs): VPMADDUBSW takes
 // |code| (at most 128) times the row's code signed like the weight, each pair's sum within 2 * 128 * 127 < 2^15
@@ -390,9 +394,10 @@ inline void decode_eight(const uint8_t* src, int part, EightQuads& q) {
   }
 }
 inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
-  for (int c = 0; c < kQuads; ++c)
-    sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(_mm256_maddubs_epi16(
-                                                    q.magnitude[c], _mm256_sign_epi8(splat_int(quad_of(codes, c)), q.sign[c]))));
+  for (int c = 0; c < kQuads; ++c) {
+    const IV row = _mm256_sign_epi8(splat_int(quad_of(codes, c)), q.sign[c]);
+    sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(_mm256_maddubs_epi16(q.magnitude[c], row)));
+  }
 }
 inline void offset_sums(const RowStep&, IV (&sums)[2]) { sums[0] = sums[1] = splat_int(0); }
 #endif

@@ -293,8 +293,9 @@ class Int4Kernels:
     ``"vnni"``:
     ``four_bit`` for ``Q4_0``, ``Q4_1``, ``Q4_K`` (one 4-bit pass) and ``Q8_0`` (two; PyTorch's passes and the
     compiled 8-bit product stream the same bytes, and on SmolLM2's head the compiled one measured 2.5–4.5 % slower end
-    to end on an Intel Xeon; the AMX, AVX512-BF16 and AVX512-VNNI products take it as 8-bit codes), and ``eight_bit`` for ``Q6_K``
-    (four passes for PyTorch's kernel, ~2.5 bytes a weight, against the 8-bit products' 1.25)."""
+    to end on an Intel Xeon; the AMX, AVX512-BF16 and integer (VNNI) products take it as 8-bit codes), and
+    ``eight_bit`` for ``Q6_K`` (four passes for PyTorch's kernel, ~2.5 bytes a weight, against the 8-bit products'
+    1.25)."""
 
     four_bit: str
     eight_bit: str
@@ -409,8 +410,8 @@ except AttributeError:  # a PyTorch without it: kernel_reason() says so and the 
 
 def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None]:
     """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"``,
-    ``"torch"``, ``"amx"``, ``"bf16"`` or ``"vnni"``) — or ``(None, reason)`` when the asked kernel (with ``auto``: every one)
-    cannot run here.
+    ``"torch"``, ``"amx"``, ``"bf16"`` or ``"vnni"``) — or ``(None, reason)`` when the asked kernel (with ``auto``:
+    every one) cannot run here.
 
     A kernel's name runs both forms on it. ``auto`` takes the only one that works (leaving out those
     :data:`~hierspec.runtime.int4_kernel.AUTO_DEFERS` names where their stronger peer runs), or, when several do, the
