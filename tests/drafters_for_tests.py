@@ -101,9 +101,16 @@ class TableLM:
             row = self._rows[key] = torch.randn(self.vocab, generator=generator, dtype=torch.float64) * self.scale
         return row
 
-    def next_logits(self, context):
+    tokens = None  # a whole head: scores are indexed by token id
+
+    def next_scores(self, context):
         self.forwards += 1
         return self._row(list(context))
+
+    next_logits = next_scores
+
+    def spread(self, scores, fill):
+        return scores
 
     def score_tree(self, context, tree):
         import torch

@@ -7,7 +7,7 @@ import torch
 from hierspec.accept import Verdict, accept_speculative
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
-from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model
+from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
@@ -164,9 +164,14 @@ class _FixedLM:
     def reset(self):
         self.forwards = 0
 
-    def next_logits(self, context):
+    tokens = None  # a whole head: scores are indexed by token id
+
+    def next_scores(self, context):
         row = self.rows[min(len(context) - self.start, len(self.rows) - 1)]
         return torch.log(torch.tensor(row, dtype=torch.float64))
+
+    def spread(self, scores, fill):
+        return scores
 
 
 def test_self_verify_window_stops_above_the_threshold_and_learns_from_rejections():
@@ -182,6 +187,64 @@ def test_self_verify_window_stops_above_the_threshold_and_learns_from_rejections
     assert drafter.threshold.value == pytest.approx(np.log(4))
     assert drafter.propose(np.array([1]), budget=8).num_drafted == 5
     assert drafter.report()["windows"] == [3, 5]
+
+
+# ---------------------------------------------------------------- a draft head over a shortlist
+
+
+def test_a_head_over_some_tokens_gives_those_columns_of_the_whole_heads_logits(target):
+    tokens = [5, 1, 40, 63, 7]
+    tree = chain(3, [9, 12], ["t", "t"])
+    whole = target.forward_tree(target.new_cache(), tree).logits
+    short = target.forward_tree(target.new_cache(), tree, head=target.head_over(tokens)).logits
+    assert short.shape == (3, len(tokens))
+    torch.testing.assert_close(short, whole[:, tokens], rtol=0, atol=1e-12)
+    for bad in ([], [VOCAB], [-1]):
+        with pytest.raises(InputError, match="head's tokens"):
+            target.head_over(bad)
+
+
+def test_a_shortlisted_draft_lm_spreads_its_scores_and_drafts_only_shortlisted_tokens(target, small):
+    shortlist = list(range(0, VOCAB, 3))
+    lm = DraftLM(small, head=small.head_over(shortlist))
+    context = np.array(_prompts(1, seed=8)[0] + [4], dtype=np.int64)
+    scores = lm.next_scores(context)
+    whole = DraftLM(small).next_logits(context)
+    torch.testing.assert_close(scores, whole[shortlist], rtol=0, atol=1e-12)
+    spread = lm.next_logits(context)
+    assert torch.isinf(spread[[t for t in range(VOCAB) if t not in shortlist]]).all()
+    torch.testing.assert_close(spread[shortlist], whole[shortlist], rtol=0, atol=1e-12)
+    drafter = DraftModelDrafter(lm, DraftModelConfig(k=6))
+    drafter.begin(context)
+    tree = drafter.propose(context, budget=6)
+    assert tree.num_drafted == 6 and set(tree.tokens[1:].tolist()) <= set(shortlist)
+
+
+def test_shortlist_tokens_keeps_the_most_frequent_and_the_end_tokens():
+    assert shortlist_tokens(np.array([5, 0, 9, 1]), 2, always=[3]).tolist() == [2, 3]
+    assert shortlist_tokens(np.array([5, 0, 9, 1, 9]), 3).tolist() == [0, 2, 4]  # ties to the lower id
+    assert shortlist_tokens(np.array([5, 0, 9, 1]), 4) is None  # the whole vocabulary: nothing to save
+    assert shortlist_tokens(np.array([5, 0, 9, 1]), 0) is None
+
+
+def test_a_context_shortlists_draft_heads_from_its_suffix_stores(target, tmp_path):
+    from hierspec.datastore.suffix import build_suffix_store
+
+    store = tmp_path / "suffix"
+    documents = [" ".join(["a b c"] * 20), "a b d e"]
+    fingerprint, name = DrafterContext(target).fingerprint()
+    build_suffix_store(documents, target.tokenizer, name, fingerprint, store)
+    counts = np.zeros(target.vocab_size, dtype=np.int64)
+    for text in documents:
+        for token in target.tokenizer(text, add_special_tokens=False)["input_ids"]:
+            counts[token] += 1
+    context = DrafterContext(target, (str(store),), draft_vocab=6)
+    expected = shortlist_tokens(counts, 6, sorted(target.eos_token_ids))
+    assert context.draft_shortlist().tolist() == expected.tolist()
+    lm = context.load_draft_lm("self:2", "sd")
+    assert lm.tokens.tolist() == expected.tolist()
+    assert DrafterContext(target, (str(store),), draft_vocab=0).load_draft_lm("self:2", "sd").head is None
+    assert DrafterContext(target, find_default_stores=False).draft_shortlist() is None
 
 
 # ---------------------------------------------------------------- greedy identity
@@ -204,6 +267,16 @@ def _check_identity(target, drafter, prompts, max_new_tokens=32):
 def test_sd_with_a_separate_draft_model_reproduces_plain_decoding(target, small, self_verify):
     drafter = DraftModelDrafter(DraftLM(small), DraftModelConfig(k=5, self_verify=self_verify, tau=2.0))
     _check_identity(target, drafter, _prompts(6, seed=1))
+
+
+def test_sd_and_hsddw_with_shortlist_heads_reproduce_plain_decoding(target, small):
+    shortlist = list(range(0, VOCAB, 2))
+    sd = DraftModelDrafter(DraftLM(small, head=small.head_over(shortlist)), DraftModelConfig(k=4))
+    _check_identity(target, sd, _prompts(5, seed=6))
+    middle = self_drafting_model(target, 3)
+    hsddw = HSDDWDrafter(DraftModelDrafter(DraftLM(small, head=small.head_over(shortlist)), DraftModelConfig(k=3)),
+                         DraftLM(middle, head=middle.head_over(shortlist)), HSDDWConfig(tau=2.5, max_block=8))
+    assert _check_identity(target, hsddw, _prompts(5, seed=7)) > 0
 
 
 def test_sd_self_drafting_reproduces_plain_decoding_and_gets_drafts_accepted(target):

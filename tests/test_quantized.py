@@ -570,3 +570,19 @@ def test_a_new_build_of_the_compiled_kernels_gets_its_own_cost_curve(tmp_path, m
     assert default_curve_path(target, tmp_path) == before  # stable while the build is
     monkeypatch.setattr(int4_kernel, "build_id", lambda: "another-build")
     assert default_curve_path(target, tmp_path) != before
+
+
+def test_a_head_over_some_tokens_computes_those_columns_of_the_whole_head_bit_for_bit(tmp_path, kernel):
+    """A draft's shortlist head on the int4 path: the chosen rows of the file's head, each logit the very sum the
+    whole head computes (per-output products), whatever the kernel and however many tokens (not a whole block)."""
+    model, path = _tiny_k_quant(tmp_path)
+    target = _int4_target(model, path, kernel)
+    prompt, tree = [3, 14, 15, 9, 26, 5], build_tree(35, [[8, 9, 7], [8, 2], [11]])
+    for tokens in ([5, 1, 40, 63, 7], list(range(0, VOCAB, 2))):
+        outputs = []
+        for head in (None, target.head_over(tokens)):
+            cache = target.new_cache()
+            target.prefill(cache, prompt)
+            outputs.append(target.forward_tree(cache, tree, head=head).logits)
+        whole, short = outputs
+        assert torch.equal(short, whole[:, tokens])

@@ -2,7 +2,7 @@
 retrieval → model → target (windowed).
 
 Same method as ``test_sampling_lossless.py`` (exact joint law of the first three tokens, χ²), with 10 000 seeded runs (``RUNS``).
-``sd`` uses a real tiny draft model (HSDDW with two real tiny models: ``test_sampling_hsddw_models.py``); the other
+``sd`` uses a real tiny draft model, with its whole head and with a shortlist head (HSDDW with two real tiny models: ``test_sampling_hsddw_models.py``); the other
 cases use :class:`TableLM` draft distributions, which exercise the same acceptance code at a fraction of the run time
 (losslessness may not depend on what ``q`` is).
 """
@@ -39,8 +39,13 @@ def _sd(lm, self_verify, k=3):
 #: on the tokens drawn: the stopping rule whose exactness the windowed cases test
 WINDOW_COST = CostCurve((1, 8, 64), (10.0, 10.0, 40.0), {}).cost
 
+#: a draft head over every other token (FR-Spec's shortlist): the draft's q is zero on the rest, which the
+#: target's own tokens often are
+SHORTLIST = list(range(0, VOCAB, 2))
+
 CASES = {
     "sd": lambda weak: _sd(DraftLM(weak), False, k=2),
+    "sd+shortlist": lambda weak: _sd(DraftLM(weak, head=weak.head_over(SHORTLIST)), False, k=2),
     # the cost-aware wrapper's token window on top of self-verify (the default wrapping of sd and hsddw)
     "sd+self-verify+window": lambda weak: CostAwareDrafter(_sd(TableLM(VOCAB, seed=1, step_ms=1.0), True),
                                                            WINDOW_COST),
@@ -52,7 +57,7 @@ CASES = {
 }
 #: the cases this file runs; the chained ones run in ``test_sampling_chained_drafts.py``, so that the test command's
 #: two workers (one file each at a time) share these minutes of sampling
-OWN_CASES = ("sd", "sd+self-verify+window")
+OWN_CASES = ("sd", "sd+shortlist", "sd+self-verify+window")
 
 
 @pytest.mark.parametrize("case", OWN_CASES)

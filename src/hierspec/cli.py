@@ -9,6 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from hierspec.config import DRAFT_VOCAB
 from hierspec.errors import HierspecError, InputError
 from hierspec.storage import is_storage_error, storage_problem
 
@@ -61,6 +62,9 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
                        help="self:K (the target's first K layers) or a model with the target's tokenizer")
     group.add_argument("--middle-model", default=None, help="hsddw's middle model (self:K or a model)")
     group.add_argument("--self-verify", action="store_true", help="sd: entropy-based dynamic draft window")
+    group.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,
+                       help=f"tokens a draft model's head computes: the most frequent in this tokenizer's suffix "
+                            f"stores (default {DRAFT_VOCAB}; 0 = its whole vocabulary)")
 
 
 def _drafter_context(args: argparse.Namespace, model):
@@ -68,7 +72,13 @@ def _drafter_context(args: argparse.Namespace, model):
 
     return DrafterContext(model, tuple(args.datastore), draft_model=args.draft_model,
                           middle_model=args.middle_model, self_verify=args.self_verify,
-                          model_config=_model_config(args))
+                          model_config=_model_config(args), draft_vocab=_draft_vocab(args))
+
+
+def _draft_vocab(args: argparse.Namespace) -> int:
+    if args.draft_vocab < 0:
+        raise InputError(f"--draft-vocab must be 0 (the whole vocabulary) or a positive count, not {args.draft_vocab}")
+    return args.draft_vocab
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -292,7 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_draft_tokens=args.max_draft_tokens, warmup=args.warmup, datastores=tuple(args.datastore),
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         sampling_seeds=_seeds(args.sampling_seeds), draft_model=args.draft_model, middle_model=args.middle_model,
-        self_verify=args.self_verify, first_turn_only=args.first_turn_only, subset_seed=args.seed,
+        self_verify=args.self_verify, draft_vocab=_draft_vocab(args), first_turn_only=args.first_turn_only, subset_seed=args.seed,
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")

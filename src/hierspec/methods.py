@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from hierspec.config import DRAFT_VOCAB
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.registry import MethodSpec, build_drafter, methods, split_methods
@@ -31,7 +34,9 @@ class DrafterContext:
     ``rest`` and ``hd`` check a store's tokenizer against it, ``sd`` shares its layers), so ``target`` is required.
 
     ``draft_model`` / ``middle_model`` / ``self_verify`` are the command line's defaults for ``sd`` and ``hsddw``
-    (a method's own ``draft=`` / ``middle=`` options win); ``model_config`` is how to load such models.
+    (a method's own ``draft=`` / ``middle=`` options win); ``model_config`` is how to load such models;
+    ``draft_vocab``: the tokens a draft model's head computes (the most frequent in this tokenizer's suffix
+    stores, see :meth:`draft_shortlist`; 0 = its whole vocabulary).
 
     Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
     are optional (``hd``) also look in ``store_root`` (see :func:`~hierspec.datastore.format.default_store_dir`;
@@ -47,6 +52,7 @@ class DrafterContext:
     self_verify: bool = False
     model_config: object | None = None
     cost_curve: str | None = None
+    draft_vocab: int = DRAFT_VOCAB
     _opened: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any:
@@ -81,8 +87,40 @@ class DrafterContext:
             return model
 
         draft = self.shared(("draft-model", spec), load)
+        shortlist = self.draft_shortlist()
+        head = None if shortlist is None else self.shared(("draft-head", spec, self.draft_vocab),
+                                                          lambda: draft.head_over(shortlist))
         # the draft's own cost curve (measured once per machine when missing), read when cost-aware drafting asks
-        return DraftLM(draft, self.target.vocab_size, step_cost=lambda rows: verification_cost(draft)(rows))
+        return DraftLM(draft, self.target.vocab_size, step_cost=lambda rows: verification_cost(draft)(rows),
+                       head=head)
+
+    def draft_shortlist(self) -> np.ndarray | None:
+        """The ``draft_vocab`` tokens a draft model's head computes: the most frequent ones in this tokenizer's
+        suffix stores (those given with ``--datastore``, else the default ShareGPT and code stores), with the
+        end-of-sequence tokens; ``None`` (the whole head) without such a store or with ``draft_vocab`` 0 or as large
+        as the vocabulary."""
+        from hierspec.datastore.suffix import SuffixStore
+        from hierspec.draft_lm import shortlist_tokens
+
+        if self.draft_vocab <= 0:
+            return None
+        paths = [p for p in self.datastores if read_header(p).get("kind") == "suffix"]
+        if not paths and self.find_default_stores:
+            root = default_store_dir(self.fingerprint()[0], self.store_root)
+            paths = [str(root / name) for name in ("suffix", "code") if (root / name / "header.json").is_file()]
+        if not paths:
+            return None
+
+        def count() -> np.ndarray | None:
+            fingerprint, name = self.fingerprint()
+            vocab = self.target.vocab_size
+            counts = np.zeros(vocab, dtype=np.int64)
+            for path in paths:
+                counts += self.shared(("suffix", path), lambda: SuffixStore.open(path, fingerprint, name)
+                                      ).token_counts(vocab)
+            return shortlist_tokens(counts, self.draft_vocab, sorted(self.target.eos_token_ids))
+
+        return self.shared(("draft-shortlist", self.draft_vocab, tuple(paths)), count)
 
     def datastore(self, kind: str, method: str) -> str:
         """The first given datastore of ``kind``, or a clear error naming the option to add."""

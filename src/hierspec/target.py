@@ -22,7 +22,7 @@ from hierspec.chat import encode_chat
 from hierspec.config import ModelConfig, check_text
 from hierspec.errors import HierspecError, InputError, ModelLoadError
 from hierspec.loading import gguf_source, load_pretrained, model_fingerprint, tokenizer_fingerprint
-from hierspec.runtime import Runtime, RuntimeConfig
+from hierspec.runtime import Runtime, RuntimeConfig, VocabHead
 from hierspec.runtime.kv_cache import TreeCache
 from hierspec.tree import DraftTree
 
@@ -176,14 +176,24 @@ class TargetModel:
         """The input embedding matrix ``[vocab, hidden]``, float32 on the CPU (a draft head reads one row a step)."""
         return self.model.get_input_embeddings().weight.detach().to("cpu", torch.float32)
 
-    def forward_tree(self, cache: TreeCache, tree: DraftTree, want_hidden: bool = False) -> TreeOutput:
-        """Verify a draft tree in one forward pass on top of the cache.
+    def head_over(self, tokens: Sequence[int] | torch.Tensor) -> VocabHead:
+        """A head computing the logits of ``tokens`` only (ids within the vocabulary), for :meth:`forward_tree`:
+        a draft model reads a shortlist of likely tokens for a fraction of its whole head's cost."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.ndim != 1 or tokens.numel() == 0 or int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size:
+            raise InputError(f"a head's tokens must be ids below {self.vocab_size}, at least one")
+        return self.runtime.head_over(tokens)
+
+    def forward_tree(self, cache: TreeCache, tree: DraftTree, want_hidden: bool = False,
+                     head: VocabHead | None = None) -> TreeOutput:
+        """Verify a draft tree in one forward pass on top of the cache; with ``head`` (:meth:`head_over`), the
+        logits are those of its tokens only, in its order.
 
         The cache grows by the tree's padded size (:meth:`hierspec.runtime.Runtime.rows_for`) until
         :meth:`keep_path` keeps the accepted entries.
         """
         self._check_tree(tree)
-        logits, hidden = self.runtime.forward_tree(cache, tree, want_hidden)
+        logits, hidden = self.runtime.forward_tree(cache, tree, want_hidden, head)
         return TreeOutput(logits=logits, hidden=hidden)
 
     def forward_trees(self, caches: Sequence[TreeCache], trees: Sequence[DraftTree],

@@ -230,6 +230,14 @@ class SuffixStore:
                 raise DatastoreError(f"{where}: {fault}; rebuild the datastore")
         return {"shards": len(self.shards), "tokens": self.num_tokens, "ok": True}
 
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """How often each token id below ``vocab_size`` occurs in the store's documents (int64 ``[vocab_size]``)."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for tokens, _ in self.shards:
+            ids = np.asarray(tokens)
+            counts += np.bincount(ids[ids < vocab_size], minlength=vocab_size)[:vocab_size]
+        return counts
+
     @property
     def num_tokens(self) -> int:
         return int(self.header["num_tokens"])

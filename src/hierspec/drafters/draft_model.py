@@ -31,9 +31,8 @@ DRAFT_SOURCE = "draft"
 
 
 def entropy(probs: torch.Tensor) -> float:
-    """Shannon entropy in nats of a probability vector."""
-    positive = probs[probs > 0]
-    return float(-(positive * positive.log()).sum())
+    """Shannon entropy in nats of a probability vector (zeros count nothing)."""
+    return float(torch.special.entr(probs).sum())
 
 
 class EntropyThreshold:
@@ -93,8 +92,8 @@ class SampledDraft:
         self.sampling, self.generator = sampling, generator
 
     def draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float, float]:
-        """A token, the distribution it was drawn from (``None`` when greedy), that distribution's entropy and the
-        token's probability in it.
+        """A token (an index into ``logits``), the distribution it was drawn from (``None`` when greedy), that
+        distribution's entropy and the token's probability in it.
 
         Greedy drafting has no distribution to verify against; its confidence is read from the plain softmax.
         """
@@ -140,11 +139,11 @@ class DraftModelDrafter(Drafter):
         if most <= 0:
             return root_only(int(context[-1]))
         tokens, dists = [], []
-        logits = self.lm.next_logits(context)
+        scores = self.lm.next_scores(context)
         while True:
-            token, q, h, confidence = self.sampler.draw(logits)
-            tokens.append(token)
-            dists.append(q)
+            index, q, h, confidence = self.sampler.draw(scores)
+            tokens.append(index if self.lm.tokens is None else int(self.lm.tokens[index]))
+            dists.append(None if q is None else self.lm.spread(q, 0.0))
             self._entropies.append(h)
             if self.window is not None:
                 self.window.add(confidence)
@@ -152,7 +151,7 @@ class DraftModelDrafter(Drafter):
                 break
             if self.window is not None and not self.window.worth_more():
                 break
-            logits = self.lm.next_logits(np.append(context, tokens))
+            scores = self.lm.next_scores(np.append(context, tokens))
         self.windows.append(len(tokens))
         stacked = None if dists[0] is None else torch.stack(dists)
         return chain(int(context[-1]), tokens, [DRAFT_SOURCE] * len(tokens), stacked)

@@ -300,26 +300,33 @@ class Runtime:
         """Rows a tree of ``tree_size`` nodes is verified in."""
         return bucket_for(tree_size, self.buckets)
 
+    def head_over(self, tokens: torch.Tensor) -> VocabHead:
+        """A head over ``tokens`` only, for :meth:`forward_tree`'s ``head``."""
+        tokens = tokens.to(self.device, torch.long)
+        return VocabHead(tokens, self.decoder.head_over(tokens) if self.decoder is not None else None)
+
     @torch.inference_mode()
-    def forward_tree(self, cache: TreeCache, tree, want_hidden: bool = False):
-        """One verification forward of ``tree`` on top of ``cache``: ``(logits [n, vocab], hidden [n, h] | None)``.
+    def forward_tree(self, cache: TreeCache, tree, want_hidden: bool = False, head: VocabHead | None = None):
+        """One verification forward of ``tree`` on top of ``cache``: ``(logits [n, vocab], hidden [n, h] | None)``;
+        with ``head``, the logits of its tokens only, ``[n, len(head.tokens)]``.
 
         The cache grows by the padded row count; the caller keeps the accepted entries afterwards.
         """
         if isinstance(cache, StaticTreeCache):
-            return self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
+            logits, hidden = self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
+            return (logits if head is None else logits[:, head.tokens]), hidden
         past = cache.get_seq_length()
         ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
         if self.decoder is not None:
             with cache.aligned(self.align):
                 return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden,
-                                            self.exact)
+                                            self.exact, head=None if head is None else head.projection)
         with cache.aligned(self.align):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              **cache_argument(self.model, cache), use_cache=True, output_hidden_states=want_hidden,
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
-        return out.logits[0], hidden
+        return (out.logits[0] if head is None else out.logits[0][:, head.tokens]), hidden
 
     @property
     def batches(self) -> bool:
@@ -388,6 +395,16 @@ class Runtime:
             self.model.set_attn_implementation(attention.NAME)
             if self.packing is not None:
                 self.packing.packed()
+
+
+@dataclass(frozen=True)
+class VocabHead:
+    """A head over some tokens only (a draft model's shortlist, :meth:`Runtime.head_over`): ``tokens`` (int64 ids,
+    on the runtime's device) and the owned decoder's head over their rows, or ``None`` where the runtime runs no
+    decoder of its own (the whole head is computed, then those columns taken)."""
+
+    tokens: torch.Tensor
+    projection: object | None
 
 
 @functools.lru_cache(maxsize=1)

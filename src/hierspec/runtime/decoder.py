@@ -43,6 +43,8 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 COMPILED_CACHE_DTYPES = (torch.float32, torch.float16)
 #: positions the rotary table starts with; it doubles on demand up to the model's context
 TABLE_START = 4096
+#: outputs per block of the int4 layouts (a weight's rows are a whole number of them)
+INT4_OUTPUT_BLOCK = 16
 
 
 class Projection:
@@ -78,6 +80,25 @@ class Projection:
         else:
             return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
         return list(product.split(self.widths, dim=-1)) if split else [product]
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Some rows of a linear's weight (and bias), as :class:`Projection` takes a linear."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _FirstColumns:
+    """A one-member projection's first ``count`` outputs."""
+
+    projection: Int4Projection
+    count: int
+
+    def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
+        return [self.projection(rows)[0][:, : self.count]]
 
 
 @dataclass(frozen=True)
@@ -139,7 +160,10 @@ class LlamaFamilyDecoder:
                                   kernels.four_bit, kernels.eight_bit)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
-        self.lm_head = projection(model.get_output_embeddings(), copy=False)
+        head = model.get_output_embeddings()
+        self.lm_head = projection(head, copy=False)
+        self._head_source = (head, None if quantized is None else quantized[names[head]],
+                             int4_kernel or Int4Kernels("torch", "torch"))
         self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
                               norm2=layer.post_attention_layernorm.weight.detach(),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -158,9 +182,22 @@ class LlamaFamilyDecoder:
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
         self._activation = self._fused.activation if self._fused is not None else _silu_product
 
+    def head_over(self, tokens: torch.Tensor) -> Projection | _FirstColumns:
+        """A head computing only the logits of ``tokens`` (int64 ids), in their order: the output embedding's rows
+        of those tokens, in the same form as the whole head (each logit the same arithmetic as the whole head's)."""
+        head, passes, kernels = self._head_source
+        bias = None if head.bias is None else head.bias.detach()[tokens]
+        if passes is None:
+            return Projection([_Rows(head.weight.detach()[tokens], bias)], packed=False)
+        # the int4 layouts hold whole blocks of 16 outputs: the last token's row repeats up to one, then is cut off
+        padded = torch.cat((tokens, tokens[-1:].expand(-tokens.numel() % INT4_OUTPUT_BLOCK)))
+        return _FirstColumns(Int4Projection([[weight.take_rows(padded) for weight in passes]],
+                                            [None if bias is None else bias[padded]],
+                                            kernels.four_bit, kernels.eight_bit), tokens.numel())
+
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
-                keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True,
+                head: Projection | _FirstColumns | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits ``[kept, vocab]`` of the rows ``keep`` selects (``None`` without ``want_logits``) and their last
         hidden states, after the final norm (with ``want_hidden``): a tree's real nodes, or a prompt's last row.
 
@@ -172,11 +209,12 @@ class LlamaFamilyDecoder:
         layout).
         """
         return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden,
-                                     exact, want_logits)
+                                     exact, want_logits, head)
 
     def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment],
                          keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False,
-                         want_logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                         want_logits: bool = True, head: Projection | _FirstColumns | None = None
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The forward of several sequences' rows at once: every product over all rows (the weights stream once),
         attention per :class:`Segment` over its own cache with its own mask — the very operations each sequence's
         own forward runs, so (the products being row-invariant) each row's result is the same as alone. When every
@@ -207,7 +245,7 @@ class LlamaFamilyDecoder:
         if not (want_logits or want_hidden):
             return None, None
         last = self._norm(hidden[keep], self.final_norm, self.eps)
-        logits = self.lm_head(last)[0] if want_logits else None
+        logits = (head or self.lm_head)(last)[0] if want_logits else None
         return logits, (last if want_hidden else None)
 
     @staticmethod
