@@ -1,6 +1,9 @@
 """hierspec's compiled int4 product (:mod:`hierspec.runtime.int4_kernel`): its layout, its products against float64,
 row invariance, the per-CPU build key, the choice between it and PyTorch's kernel, and the fallbacks."""
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -115,6 +118,11 @@ def _vnni_expected(rows, weight):
     return k.vnni_rounded(rows) @ weight.t()
 
 
+def _vnni8_expected(rows, weight):
+    """The one-code integer products' model: the rows rounded to one 8-bit code an input times the weights."""
+    return k.vnni_rounded(rows, one_code=True) @ weight.t()
+
+
 #: the tile-decoding products, each with its layouts of 4-bit and 8-bit codes, its packed weights' class and its model
 #: in float64: the AMX tiles and the AVX512-BF16 dot products decode the same bfloat16 weights, the AVX512-VNNI ones
 #: multiply the codes by the rows' 8-bit codes; all are held to the same tests
@@ -122,6 +130,8 @@ DECODING_KERNELS = [
     pytest.param((k.pack_amx, k.pack_amx_int8, k.PackedAmx, _bfloat16_expected), marks=needs_amx, id="amx"),
     pytest.param((k.pack_bf16, k.pack_bf16_int8, k.PackedBf16, _bfloat16_expected), marks=needs_bf16, id="bf16"),
     pytest.param((k.pack_vnni, k.pack_vnni_int8, k.PackedVnni, _vnni_expected), marks=needs_vnni, id="vnni"),
+    pytest.param((functools.partial(k.pack_vnni, one_code=True), functools.partial(k.pack_vnni_int8, one_code=True),
+                  k.PackedVnni, _vnni8_expected), marks=needs_vnni, id="vnni8"),
 ]
 
 
@@ -194,6 +204,22 @@ def test_the_avx512_vnni_products_round_each_row_to_15_bits_per_32_inputs_as_vnn
     step_scale = (rows.reshape(11, 2, 32).abs().amax(-1) / 127).repeat_interleave(32, 1)
     assert ((got - rows).abs() <= step_scale / 256 * (1 + 1e-4)).all()
     assert (got != rows).any()
+
+
+@needs_vnni
+def test_the_one_code_integer_products_round_each_row_to_8_bits_per_32_inputs_as_vnni_rounded_says():
+    """``vnni8``: the identity weight returns each input as one 8-bit code times its step's scale (max |x| / 127),
+    within half that scale; whole multiples of it come back exactly."""
+    generator = torch.Generator().manual_seed(13)
+    rows = torch.randn(7, 64, generator=generator) * torch.logspace(-3, 3, 64)
+    rows[2, :4] = torch.tensor([1.0, -3.0, 127.0, 0.5])  # the step's scale is 1; 0.5 rounds to even: 0
+    identity = k.pack_vnni_int8(torch.eye(64, dtype=torch.int8), torch.ones(64, 4), one_code=True)
+    got = k.int4_mm(MODULE, rows, identity)
+    assert torch.equal(got, k.vnni_rounded(rows, one_code=True).float())
+    assert got[2, :4].tolist() == [1.0, -3.0, 127.0, 0.0]
+    step_scale = (rows.reshape(7, 2, 32).abs().amax(-1) / 127).repeat_interleave(32, 1)
+    assert ((got - rows).abs() <= step_scale / 2 * (1 + 1e-4)).all()
+    assert ((got - k.vnni_rounded(rows).float()).abs() > step_scale / 256).any()  # coarser than two codes
 
 
 @needs_vnni
@@ -324,7 +350,7 @@ def test_decoding_products_with_float16_scales_equal_those_with_the_same_scales_
     rows = torch.randn(21, 128, generator=generator)
     for half in packs:
         assert half.scales.dtype == torch.float16
-        wide = packed_class(half.codes, half.scales.float(), half.bias.float())
+        wide = dataclasses.replace(half, scales=half.scales.float(), bias=half.bias.float())
         for count in (1, 16, 21):
             got = k.int4_mm(MODULE, rows[:count].contiguous(), half)
             assert torch.equal(got, k.int4_mm(MODULE, rows[:count].contiguous(), wide)), count

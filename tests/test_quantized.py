@@ -231,7 +231,7 @@ def prefill(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["compiled", "torch", "amx", "bf16", "vnni", "mixed"])
+@pytest.fixture(params=["compiled", "torch", "amx", "bf16", "vnni", "vnni8", "mixed"])
 def kernel(request, monkeypatch):
     """Each int4 product kernel that runs here (hierspec's compiled one, PyTorch's, the AMX one, the AVX512-BF16
     one, the AVX512-VNNI one), and two mixed as ``auto`` chose on an Intel Xeon before the AMX products: 4-bit and Q8_0 weights by
@@ -280,7 +280,8 @@ def _tree_logits(*targets) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("int4_kernel", "tolerance"),
-                         [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05), ("bf16", 0.05), ("vnni", 0.05)])
+                         [("torch", 0.1), ("compiled", 1e-5), ("amx", 0.05), ("bf16", 0.05), ("vnni", 0.05),
+                          ("vnni8", 0.05)])
 def test_the_int4_forward_computes_the_files_model(tmp_path, float32_prefill, int4_kernel, tolerance):
     model, path = _tiny(tmp_path)
     expected, got = _tree_logits(_float32_copy(model), _int4_target(model, path, int4_kernel, kv_cache="model"))

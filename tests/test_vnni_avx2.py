@@ -55,22 +55,26 @@ def _weights(eight: bool, factored: bool, half: bool, generator: torch.Generator
     return packed, codes.double() * scales.double().repeat_interleave(32, 1) + bias.repeat_interleave(32, 1)
 
 
+@pytest.mark.parametrize("one_code", [False, True], ids=["two-codes", "one-code"])
 @pytest.mark.parametrize("eight", [False, True], ids=["4-bit", "8-bit"])
 @pytest.mark.parametrize("scales", ["float32", "float16", "factored"])
-def test_the_avx2_build_of_the_integer_products_equals_their_model_and_this_cpus_build(avx2, eight, scales):
+def test_the_avx2_build_of_the_integer_products_equals_their_model_and_this_cpus_build(avx2, eight, scales,
+                                                                                     one_code):
     generator = torch.Generator().manual_seed(21)
     packed, weight = _weights(eight, scales == "factored", scales == "float16", generator)
     if scales == "float16":
         assert packed.scales.dtype == torch.float16
     rows = torch.randn(19, 768, generator=generator) * torch.logspace(-2, 2, 768)
     native = k.vnni_reason() is None
+    name = "int4_vnni8_mm" if one_code else "int4_vnni_mm"
+    product, native_product = getattr(avx2, name), getattr(MODULE, name)
     for count in (1, 3, 8, 9, 19):
         x = rows[:count].contiguous()
-        got = avx2.int4_vnni_mm(x, packed.codes, packed.scales, packed.bias, packed.units)
-        expected = k.vnni_rounded(x) @ weight.t()
+        got = product(x, packed.codes, packed.scales, packed.bias, packed.units)
+        expected = k.vnni_rounded(x, one_code=one_code) @ weight.t()
         assert ((got.double() - expected).abs().max() / expected.abs().max()).item() < 1e-5, count
         if native:
-            assert torch.equal(got, MODULE.int4_vnni_mm(x, packed.codes, packed.scales, packed.bias, packed.units))
+            assert torch.equal(got, native_product(x, packed.codes, packed.scales, packed.bias, packed.units))
         if count > 1:  # each row as alone
-            assert torch.equal(got[-1:], avx2.int4_vnni_mm(x[-1:].contiguous(), packed.codes, packed.scales,
-                                                           packed.bias, packed.units))
+            assert torch.equal(got[-1:], product(x[-1:].contiguous(), packed.codes, packed.scales, packed.bias,
+                                                 packed.units))

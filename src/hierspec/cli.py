@@ -33,15 +33,18 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "kernel; hierspec's own decoder on the CPU), sdpa (PyTorch's; a node of a second branch "
                             "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
                             "it can run)")
-    group.add_argument("--int4-kernel", default="auto", choices=["auto", "compiled", "torch", "amx", "bf16", "vnni"],
+    group.add_argument("--int4-kernel", default="auto",
+                       choices=["auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
                             "float32 rows), torch (PyTorch's int4 kernel; bfloat16 rows), amx (hierspec's own on "
                             "AMX tiles, Intel CPUs with AMX-BF16: 16 rows for ~1.4x the time of one; bfloat16 "
                             "rows), bf16 (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the weights "
                             "decoded once, 8 rows a pass; bfloat16 rows), vnni (hierspec's own integer "
                             "dot products, AVX512-VNNI or AVX2: the codes multiplied as integers, rows as two 8-bit "
-                            "codes per input, ~15 bits) or auto (the default: the fastest here for each "
-                            "weight form, timed once per machine and kept)")
+                            "codes per input, ~15 bits), vnni8 (the same with rows as one 8-bit code per input, "
+                            "llama.cpp's activation precision: half the dot products, trees and batches cheaper; "
+                            "never chosen by auto) or auto (the default: the fastest here for each weight form of "
+                            "compiled, torch, amx, bf16 and vnni, timed once per machine and kept)")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
                             "default), model (the model's dtype) or auto (the default: float16 where the int4 "

@@ -136,7 +136,9 @@ class ModelConfig:
             decoded once for all rows, 8 rows a pass) or ``"vnni"`` (hierspec's own integer dot products, on
             AVX512-VNNI — AMD Zen 4, Intel from Cascade Lake on — or on AVX2's byte products — AMD Zen 3, Intel from
             Haswell on — with the same results: the codes multiplied as integers by each row rounded
-            to two 8-bit codes an input, ~15 bits per 32 inputs; 8 rows a pass).
+            to two 8-bit codes an input, ~15 bits per 32 inputs; 8 rows a pass) or ``"vnni8"`` (the same with each
+            row rounded to one 8-bit code an input, llama.cpp's activation precision: half the dot products, so trees
+            and batches cost less; never chosen by ``auto``).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
@@ -157,8 +159,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.kv_cache not in {"auto", "model", "float16"}:
             raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use auto, model or float16")
-        if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16", "vnni"}:
-            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch, amx, bf16 or vnni")
+        if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8"}:
+            raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use auto, compiled, torch, amx, bf16, vnni "
+                             "or vnni8")
         if self.runtime not in {"auto", "int4", "packed", "graphs", "eager"}:
             raise InputError(f"unknown runtime {self.runtime!r}: use auto, int4, packed, graphs or eager")
         if self.attention not in {"auto", "sdpa", "exact"}:

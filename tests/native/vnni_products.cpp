@@ -4,9 +4,12 @@
 
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                            const torch::Tensor& bias, const torch::Tensor& units);
+torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& bias, const torch::Tensor& units);
 bool vnni_ready();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_vnni_mm", &int4_vnni_mm, "the integer products");
+  m.def("int4_vnni8_mm", &int4_vnni8_mm, "the integer products, rows as one 8-bit code an input");
   m.def("vnni_ready", &vnni_ready, "whether this build runs them");
 }

@@ -258,6 +258,8 @@ torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, c
 bool vnni_ready();
 torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                            const torch::Tensor& bias, const torch::Tensor& units);
+torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& bias, const torch::Tensor& units);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
@@ -269,6 +271,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_ready", &vnni_ready, "whether the integer (VNNI) products can run in this build");
   m.def("int4_vnni_mm", &int4_vnni_mm,
         "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
+  m.def("int4_vnni8_mm", &int4_vnni8_mm,
+        "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");

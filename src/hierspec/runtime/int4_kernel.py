@@ -66,11 +66,12 @@ CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 #: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
-KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16", "vnni")
+KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8")
 #: hierspec's own kernels, built here (their cost curves are their own)
-OWN_KERNELS = ("compiled", "amx", "bf16", "vnni")
-#: the kernels ``auto`` chooses among (each where it runs)
-KERNELS = ("torch",) + OWN_KERNELS
+OWN_KERNELS = ("compiled", "amx", "bf16", "vnni", "vnni8")
+#: the kernels ``auto`` chooses among (each where it runs): never ``vnni8``, whose rows are coarser (one 8-bit code
+#: an input, llama.cpp's activation precision), only where asked for
+KERNELS = ("torch", "compiled", "amx", "bf16", "vnni")
 #: kernels ``auto`` leaves out where another one runs: the AVX512-VNNI products where the AMX tiles run (16 rows for
 #: ~1.4x one there; ``auto`` times 1 and 4 rows only, and the two have not been measured side by side on an AMX CPU)
 AUTO_DEFERS = {"vnni": "amx"}
@@ -244,18 +245,22 @@ class PackedVnni:
         units: empty, or float32 ``[2, out / 16, in / 256, 16]`` (the scales' units, then the offsets') or
             ``[1, out / 16, in / 256, 16]``: each scale (offset) is its step times its output's unit for its 256
             inputs (:class:`~hierspec.runtime.quantized.ScaleFactors`).
+        one_code: rows rounded to one 8-bit code an input (``int4_vnni8_mm``, ``--int4-kernel vnni8``) instead of
+            two.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
     bias: torch.Tensor
     units: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    one_code: bool = False
 
 
 def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor],
-              factors=None) -> PackedVnni:
+              factors=None, one_code: bool = False) -> PackedVnni:
     """The AVX512-VNNI layout of one 4-bit pass (as :func:`pack_amx` takes it), with the scales and folded offsets
-    as ``factors`` give them (a ``Q4_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given.
+    as ``factors`` give them (a ``Q4_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given;
+    ``one_code``: for rows as one 8-bit code an input.
 
     Example: output 0 with codes 3 at input 0 and 5 at input 16 packs to byte ``0x53`` (the first of the step).
     """
@@ -265,33 +270,36 @@ def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zer
     quads = pass_codes.reshape(rows // 16, 16, cols // GROUP, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     packed = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [blocks, steps, 4, 16, 4]
     if factors is None:
-        return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias)
+        return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias, one_code=one_code)
     units = torch.stack((_per_block(factors.units), _per_block(factors.offset_units))).contiguous()
     return PackedVnni(packed.unsqueeze(0).contiguous(), _per_block(factors.steps, torch.uint8).unsqueeze(0),
-                      _per_block(factors.offset_steps, torch.uint8), units)
+                      _per_block(factors.offset_steps, torch.uint8), units, one_code)
 
 
-def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None) -> PackedVnni:
+def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None, one_code: bool = False) -> PackedVnni:
     """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs, as ``factors`` give
-    them (a ``Q6_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given."""
+    them (a ``Q6_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given; ``one_code``: for rows
+    as one 8-bit code an input."""
     rows, cols = codes.shape
     quads = codes.reshape(rows // 16, 16, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4).unsqueeze(0).contiguous()
     if factors is not None:
         return PackedVnni(quads, _per_block(factors.steps, torch.int8).unsqueeze(0), torch.empty(0),
-                          _per_block(factors.units).unsqueeze(0).contiguous())
+                          _per_block(factors.units).unsqueeze(0).contiguous(), one_code)
     (scale,) = _stored(_per_block(scales).unsqueeze(0).contiguous())
-    return PackedVnni(quads, scale, torch.empty(0))
+    return PackedVnni(quads, scale, torch.empty(0), one_code=one_code)
 
 
-def vnni_rounded(rows: torch.Tensor) -> torch.Tensor:
+def vnni_rounded(rows: torch.Tensor, one_code: bool = False) -> torch.Tensor:
     """float32 ``rows`` ``[m, in]`` as the AVX512-VNNI products take them, in float64: per 32 inputs, with
     ``d = max |x| / 127``, two 8-bit codes an input, ``high = round(x / d)`` and ``low = round((x - high d) 128 / d)``
     (ties to even; ``x / d`` as ``x`` times ``1 / d``), for ``x ~ d / 128 (128 high + low)`` within ``d / 256`` —
-    computed in float32 as ``int4_vnni.cpp`` computes them."""
+    computed in float32 as ``int4_vnni.cpp`` computes them; ``one_code``: ``high`` alone, ``x ~ d high``."""
     steps = rows.float().reshape(rows.shape[0], -1, GROUP)
     scale = steps.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
     high = torch.round(steps * inverse).clamp(-127, 127)
+    if one_code:
+        return (high.double() * scale.double()).reshape(rows.shape)
     rest = (steps.double() - high.double() * scale.double()).float()  # exact in float64, then rounded once
     low = torch.round(rest * (inverse * 128)).clamp(-127, 127)
     return ((128 * high.double() + low.double()) * (scale / 128).double()).reshape(rows.shape)
@@ -303,7 +311,8 @@ def int4_mm(kernel, rows: torch.Tensor, weight: PackedInt4 | PackedInt8 | Packed
     if isinstance(weight, PackedInt8):
         return kernel.int8_mm(rows, weight.codes, weight.scales)
     if isinstance(weight, PackedVnni):
-        return kernel.int4_vnni_mm(rows, weight.codes, weight.scales, weight.bias, weight.units)
+        product = kernel.int4_vnni8_mm if weight.one_code else kernel.int4_vnni_mm
+        return product(rows, weight.codes, weight.scales, weight.bias, weight.units)
     if isinstance(weight, PackedBf16):
         return kernel.int4_bf16_mm(rows, weight.codes, weight.scales, weight.bias)
     if isinstance(weight, PackedAmx):
@@ -418,6 +427,13 @@ def vnni_reason() -> str | None:
     return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C", _check_vnni)
 
 
+def vnni8_reason() -> str | None:
+    """Why the integer products with rows as one 8-bit code an input (``--int4-kernel vnni8``) cannot run here, as
+    :func:`vnni_reason` tells it, or ``None`` when they can."""
+    return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C",
+                              _check_vnni8)
+
+
 def _own_kernel_reason(ready: str, missing: str, check: Callable) -> str | None:
     """Why one of the extension's CPU-specific products cannot run: the build's reason, ``missing`` where its
     ``ready`` binding says this build lacks the instructions, else ``check``'s verdict on its products."""
@@ -454,6 +470,16 @@ def _check_vnni(module) -> str | None:
                                      "the integer (VNNI) products") or _check_vnni_factors(module))
 
 
+@functools.lru_cache(maxsize=None)
+def _check_vnni8(module) -> str | None:
+    """:func:`_check_vnni` for rows as one 8-bit code an input."""
+    return (_check_decoding_products(module, functools.partial(pack_vnni, one_code=True),
+                                     functools.partial(pack_vnni_int8, one_code=True),
+                                     functools.partial(vnni_rounded, one_code=True), lambda w: w,
+                                     "the one-code integer (VNNI) products")
+            or _check_vnni_factors(module, one_code=True))
+
+
 def random_factors(generator: torch.Generator, out_features: int, in_features: int, eight: bool):
     """Random K-quant scale factors (``Q6_K``'s with ``eight``, else ``Q4_K``'s) of small dyadic units, so that
     every scale, offset and folded zero is exact in float32; with the scales and zeros they stand for."""
@@ -472,15 +498,17 @@ def random_factors(generator: torch.Generator, out_features: int, in_features: i
     return ScaleFactors(units, steps, offset_units, offset_steps), scales, zeros
 
 
-def _check_vnni_factors(module) -> str | None:
+def _check_vnni_factors(module, one_code: bool = False) -> str | None:
     generator = torch.Generator().manual_seed(1)
     rows = torch.randn(5, 512, generator=generator)
     codes = torch.randint(0, 16, (32, 512), generator=generator, dtype=torch.uint8)
     signed = torch.randint(-128, 128, (32, 512), generator=generator, dtype=torch.int8)
     four, scales, zeros = random_factors(generator, 32, 512, eight=False)
     eight, signed_scales, _ = random_factors(generator, 32, 512, eight=True)
-    pairs = ((pack_vnni([codes], [scales], [zeros], factors=four), pack_vnni([codes], [scales], [zeros])),
-             (pack_vnni_int8(signed, signed_scales, eight), pack_vnni_int8(signed, signed_scales)))
+    pairs = ((pack_vnni([codes], [scales], [zeros], four, one_code), pack_vnni([codes], [scales], [zeros],
+                                                                             one_code=one_code)),
+             (pack_vnni_int8(signed, signed_scales, eight, one_code),
+              pack_vnni_int8(signed, signed_scales, one_code=one_code)))
     try:
         same = all(torch.equal(int4_mm(module, rows, factored), int4_mm(module, rows, whole))
                    for factored, whole in pairs)

@@ -18,6 +18,8 @@
 // A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
 //   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
 // each integer sum as 128 times the high codes' dot plus the low codes' one.
+// int4_vnni8_mm rounds each row to one 8-bit code an input instead (llama.cpp's activation precision, per 32 inputs:
+// x ~ d high, e = d): half the dot products a row, so trees and batches of rows cost less, at the rows' precision.
 //
 // Batch invariance: a row's codes and every (row, output) sum depend on that row alone, in one fixed order, whatever
 // the number of rows, how they are grouped into passes or how the blocks are split between threads
@@ -161,6 +163,7 @@ inline RowStep round_step(const float* x, int8_t* out) {
   const int32_t second = 128 * _mm512_reduce_add_epi32(high_b) + _mm512_reduce_add_epi32(low_b);
   return {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
 }
+
 #else
 // 8 inputs' high and low codes, as the AVX-512 build's split computes them lane by lane
 inline void split(__m256 x, __m256 d, __m256 inverse, __m256i& high, __m256i& low) {
@@ -198,14 +201,31 @@ inline RowStep round_step(const float* x, int8_t* out) {
 }
 #endif
 
+// The step as one 8-bit code an input — the high codes of round_step alone — and its RowStep for them: x ~ d high
+// (the scale d / 128 times 128 is d exactly)
+inline RowStep round_step_one(const float* x, int8_t* out) {
+  alignas(64) int8_t both[2 * kStep];
+  const RowStep two = round_step(x, both);
+  int32_t sums[2] = {0, 0};
+  for (int i = 0; i < kStep; ++i) {
+    out[i] = both[i];
+    sums[i / 16] += both[i];
+  }
+  return {two.scale * 128.f, static_cast<float>(sums[0] + sums[1]), -128 * sums[0], -128 * sums[1]};
+}
+
 // x [rows, k] (k a multiple of 32) as two 8-bit codes an input, per step of 32 inputs: d = max |x| / 127,
 // high = round(x / d), low = round((x - high d) 128 / d) (each rounded as the MXCSR rounds: to nearest, ties to even;
-// x / d as x times 1 / d; |low| <= 64), so that x ~ d / 128 (128 high + low), within d / 256
+// x / d as x times 1 / d; |low| <= 64), so that x ~ d / 128 (128 high + low), within d / 256; or (Two false) as
+// the high codes alone, x ~ d high within d / 2
+template <bool Two>
 void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& codes, std::vector<RowStep>& steps) {
-  codes.resize(static_cast<size_t>(2 * rows * k));
+  constexpr int64_t kCodes = Two ? 2 : 1;
+  codes.resize(static_cast<size_t>(kCodes * rows * k));
   steps.resize(static_cast<size_t>(rows * k / kStep));
   for (int64_t i = 0; i < rows * k / kStep; ++i)
-    steps[static_cast<size_t>(i)] = round_step(x + kStep * i, codes.data() + 2 * kStep * i);
+    steps[static_cast<size_t>(i)] = Two ? round_step(x + kStep * i, codes.data() + 2 * kStep * i)
+                                        : round_step_one(x + kStep * i, codes.data() + kStep * i);
 }
 
 // kWidth scales (or biases, or their integer steps) as float32
@@ -355,9 +375,11 @@ struct FourBit {
     }
   }
 
+  template <bool Two>
   static FV row(const Quads& q, const int8_t* codes, const RowStep& step, const Scales& w, FV acc) {
-    const IV high = dot_step4(q.quad, codes), low = dot_step4(q.quad, codes + kStep);
-    const FV dots = as_float(high_plus_low(high, low));
+    IV sums = dot_step4(q.quad, codes);
+    if constexpr (Two) sums = high_plus_low(sums, dot_step4(q.quad, codes + kStep));
+    const FV dots = as_float(sums);
     const FV part = fmadd(w.bias, splat(step.sum), mul(dots, w.scale));
     return fmadd(part, splat(step.scale), acc);
   }
@@ -420,22 +442,33 @@ struct EightBit {
 
   static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
 
+  template <bool Two>
   static FV row(const Quads& quads, const int8_t* codes, const RowStep& step, const Scales& w, FV acc) {
-    // each group's dot of the high codes, and of the low ones (starting from the AVX-512 build's offset take-back)
-    IV high[2] = {splat_int(0), splat_int(0)}, low[2];
-    offset_sums(step, low);
-    dot_step8(quads, codes, high);
-    dot_step8(quads, codes + kStep, low);
-    const FV first = as_float(high_plus_low(high[0], low[0]));
-    const FV second = as_float(high_plus_low(high[1], low[1]));
+    // each group's dot of the high codes, and of the low ones (the last dot starting from the AVX-512 build's offset
+    // take-back)
+    IV high[2], low[2];
+    if constexpr (Two) {
+      high[0] = high[1] = splat_int(0);
+      offset_sums(step, low);
+      dot_step8(quads, codes, high);
+      dot_step8(quads, codes + kStep, low);
+      high[0] = high_plus_low(high[0], low[0]);
+      high[1] = high_plus_low(high[1], low[1]);
+    } else {
+      offset_sums(step, high);
+      dot_step8(quads, codes, high);
+    }
+    const FV first = as_float(high[0]);
+    const FV second = as_float(high[1]);
     const FV part = fmadd(second, w.high, mul(first, w.low));
     return fmadd(part, splat(step.scale), acc);
   }
 };
 
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]
-template <int MT, class Form, class Source>
+template <int MT, bool Two, class Form, class Source>
 void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
+  constexpr int64_t kCodes = Two ? 2 : 1;
   FV acc[MT][kParts];
   for (int m = 0; m < MT; ++m)
     for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
@@ -449,7 +482,8 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
       const auto scales = Form::scales_of(source, block, s, part);
       for (int m = 0; m < MT; ++m) {
         const int64_t at = (r0 + m) * x.steps_per_row + s;
-        acc[m][part] = Form::row(quads, x.codes + 2 * kStep * at, x.steps[at], scales, acc[m][part]);
+        acc[m][part] = Form::template row<Two>(quads, x.codes + kCodes * kStep * at, x.steps[at], scales,
+                                               acc[m][part]);
       }
     }
   }
@@ -458,30 +492,30 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
       store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
 }
 
-template <class Form, class Source>
+template <bool Two, class Form, class Source>
 void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
-      case 8: block_rows<8, Form>(w, source, x, block, r0, out); break;
-      case 7: block_rows<7, Form>(w, source, x, block, r0, out); break;
-      case 6: block_rows<6, Form>(w, source, x, block, r0, out); break;
-      case 5: block_rows<5, Form>(w, source, x, block, r0, out); break;
-      case 4: block_rows<4, Form>(w, source, x, block, r0, out); break;
-      case 3: block_rows<3, Form>(w, source, x, block, r0, out); break;
-      case 2: block_rows<2, Form>(w, source, x, block, r0, out); break;
-      default: block_rows<1, Form>(w, source, x, block, r0, out); break;
+      case 8: block_rows<8, Two, Form>(w, source, x, block, r0, out); break;
+      case 7: block_rows<7, Two, Form>(w, source, x, block, r0, out); break;
+      case 6: block_rows<6, Two, Form>(w, source, x, block, r0, out); break;
+      case 5: block_rows<5, Two, Form>(w, source, x, block, r0, out); break;
+      case 4: block_rows<4, Two, Form>(w, source, x, block, r0, out); break;
+      case 3: block_rows<3, Two, Form>(w, source, x, block, r0, out); break;
+      case 2: block_rows<2, Two, Form>(w, source, x, block, r0, out); break;
+      default: block_rows<1, Two, Form>(w, source, x, block, r0, out); break;
     }
   }
 }
 
 // every block of the product, shared out between the threads
-template <class Source>
+template <bool Two, class Source>
 void all_blocks(const Codes& w, const Source& source, bool eight, int64_t blocks, const Rows& x, int64_t rows,
                 float* out) {
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-      if (eight) block_all_rows<EightBit<Source>>(w, source, x, rows, block, out);
-      else block_all_rows<FourBit<Source>>(w, source, x, rows, block, out);
+      if (eight) block_all_rows<Two, EightBit<Source>>(w, source, x, rows, block, out);
+      else block_all_rows<Two, FourBit<Source>>(w, source, x, rows, block, out);
     }
   });
 }
@@ -500,12 +534,14 @@ bool vnni_ready() {
 #endif
 }
 
+namespace {
+
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
 // (8-bit form). Scales stored per group (units empty): scale float32 or float16 [1, N / 16, K / 32, 16] or
 // [1, N / 16, K / 16, 16], bias the scale's dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one;
-// or factored (check_factors). Returns float32 [M, N].
-torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias, const torch::Tensor& units) {
+// or factored (check_factors). Rows as two 8-bit codes an input (two) or one. Returns float32 [M, N].
+torch::Tensor integer_product(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                              const torch::Tensor& bias, const torch::Tensor& units, bool two) {
   TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
@@ -517,12 +553,14 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, c
 #ifdef HIERSPEC_VNNI
   thread_local std::vector<int8_t> row_codes;
   thread_local std::vector<RowStep> row_steps;
-  rounded_rows(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
+  if (two) rounded_rows<true>(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
+  else rounded_rows<false>(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
   const Rows inputs{row_codes.data(), row_steps.data(), shape.steps};
   const Codes weights{static_cast<const uint8_t*>(codes.data_ptr()), shape.steps, n};
   float* results = out.data_ptr<float>();
   const auto run = [&](const auto& source) {
-    all_blocks(weights, source, shape.eight, shape.blocks, inputs, rows, results);
+    if (two) all_blocks<true>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
+    else all_blocks<false>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
   };
   const int64_t supers = shape.steps / kStepsPerSuper, per_super = shape.groups / std::max<int64_t>(supers, 1);
   if (factored && shape.eight)
@@ -538,4 +576,18 @@ torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, c
     run(Stored<float>{scale.data_ptr<float>(), shape.eight ? nullptr : bias.data_ptr<float>(), shape.groups});
 #endif
   return out;
+}
+
+}  // namespace
+
+// The product with rows as two 8-bit codes an input (integer_product's arguments).
+torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                           const torch::Tensor& bias, const torch::Tensor& units) {
+  return integer_product(x, codes, scale, bias, units, true);
+}
+
+// The product with rows as one 8-bit code an input.
+torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                            const torch::Tensor& bias, const torch::Tensor& units) {
+  return integer_product(x, codes, scale, bias, units, false);
 }

@@ -289,8 +289,8 @@ def kernel_reason() -> str | None:
 
 @dataclass(frozen=True)
 class Int4Kernels:
-    """Which kernel multiplies each form of a GGUF weight, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"`` or
-    ``"vnni"``:
+    """Which kernel multiplies each form of a GGUF weight, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``,
+    ``"vnni"`` or ``"vnni8"``:
     ``four_bit`` for ``Q4_0``, ``Q4_1``, ``Q4_K`` (one 4-bit pass) and ``Q8_0`` (two; PyTorch's passes and the
     compiled 8-bit product stream the same bytes, and on SmolLM2's head the compiled one measured 2.5–4.5 % slower end
     to end on an Intel Xeon; the AMX, AVX512-BF16 and integer (VNNI) products take it as 8-bit codes), and
@@ -303,9 +303,12 @@ class Int4Kernels:
 
 #: each compiled kernel's layout of one 4-bit pass and of 8-bit codes
 _FOUR_BIT_PACKS = {"compiled": int4_kernel.pack_passes, "amx": int4_kernel.pack_amx, "bf16": int4_kernel.pack_bf16,
-                   "vnni": int4_kernel.pack_vnni}
+                   "vnni": int4_kernel.pack_vnni, "vnni8": functools.partial(int4_kernel.pack_vnni, one_code=True)}
 _EIGHT_BIT_PACKS = {"compiled": int4_kernel.PackedInt8, "amx": int4_kernel.pack_amx_int8,
-                    "bf16": int4_kernel.pack_bf16_int8, "vnni": int4_kernel.pack_vnni_int8}
+                    "bf16": int4_kernel.pack_bf16_int8, "vnni": int4_kernel.pack_vnni_int8,
+                    "vnni8": functools.partial(int4_kernel.pack_vnni_int8, one_code=True)}
+#: the integer products' kernels (they take K-quant scale factors as the file holds them)
+_INTEGER_KERNELS = ("vnni", "vnni8")
 _COMPILED_LAYOUTS = (int4_kernel.PackedInt4, int4_kernel.PackedInt8, int4_kernel.PackedAmx, int4_kernel.PackedBf16,
                      int4_kernel.PackedVnni)
 
@@ -337,10 +340,11 @@ class Int4Projection:
             [b.detach().float() if b is not None else torch.zeros(w) for w, b in zip(self.widths, biases)])
         #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]``, the
-        #: AVX512-BF16 ``[5-D codes, scales, bias]``, the AVX512-VNNI ``[6-D codes, scales, bias]`` or PyTorch's
-        #: ``[packed, table]`` per pass
+        #: AVX512-BF16 ``[5-D codes, scales, bias]``, the integer ``[6-D codes, scales, bias, units]`` (a fifth,
+        #: empty tensor: rows as one 8-bit code an input) or PyTorch's ``[packed, table]`` per pass
         self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
-                       else [stack.codes, stack.scales, stack.bias, stack.units]
+                       else [stack.codes, stack.scales, stack.bias, stack.units] + (
+                           [torch.empty(0)] if stack.one_code else [])
                        if isinstance(stack, int4_kernel.PackedVnni)
                        else [stack.codes, stack.scales, stack.bias] if isinstance(stack, _COMPILED_LAYOUTS)
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
@@ -361,20 +365,21 @@ def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
     """One stack of members with equal pass counts, in ``kernel``'s layout (the AVX512-VNNI one with K-quant weights'
     scale factors where every member has them: fewer bytes a forward for the same weights)."""
     depth = len(members[0])
-    factors = _stacked_factors([passes[0].factors for passes in members]) if kernel == "vnni" else None
+    factors = _stacked_factors([passes[0].factors for passes in members]) if kernel in _INTEGER_KERNELS else None
+    one_code = kernel == "vnni8"
     if kernel != "torch" and depth > 1:
         forms = [as_int8(member) for member in members]
         codes = torch.cat([codes for codes, _ in forms]).contiguous()
         scales = torch.cat([scales for _, scales in forms]).contiguous()
         if factors is not None and depth == 4:
-            return int4_kernel.pack_vnni_int8(codes, scales, factors)
+            return int4_kernel.pack_vnni_int8(codes, scales, factors, one_code)
         return _EIGHT_BIT_PACKS[kernel](codes, scales)
     per_pass = [[passes[i] for passes in members] for i in range(depth)]
     if kernel == "torch":
         return [_pack(ws) for ws in per_pass]
     parts = [[torch.cat([getattr(w, part) for w in ws]) for ws in per_pass] for part in ("codes", "scales", "zeros")]
     if factors is not None:
-        return int4_kernel.pack_vnni(*parts, factors=factors)
+        return int4_kernel.pack_vnni(*parts, factors=factors, one_code=one_code)
     return _FOUR_BIT_PACKS[kernel](*parts)
 
 
@@ -422,7 +427,8 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
     if choice not in int4_kernel.KERNEL_CHOICES:
         raise ValueError(f"unknown int4 kernel {choice!r}: use {', '.join(int4_kernel.KERNEL_CHOICES)}")
     reasons = {"torch": kernel_reason, "compiled": lambda: int4_kernel.compiled_kernel()[1],
-               "amx": int4_kernel.amx_reason, "bf16": int4_kernel.bf16_reason, "vnni": int4_kernel.vnni_reason}
+               "amx": int4_kernel.amx_reason, "bf16": int4_kernel.bf16_reason, "vnni": int4_kernel.vnni_reason,
+               "vnni8": int4_kernel.vnni8_reason}
     if choice != "auto":
         reason = reasons[choice]()
         return (None, reason) if reason else (Int4Kernels(choice, choice), None)
