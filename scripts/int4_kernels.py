@@ -226,7 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["products", "forward", "curves", "halves", "attention", "agreement"])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--int4-kernel", default="torch", choices=[k for k in int4_kernel.KERNEL_CHOICES if k != "auto"])
+    parser.add_argument("--int4-kernel", default="torch",
+                        choices=[k for k in int4_kernel.KERNEL_CHOICES if k != "auto"])
     parser.add_argument("--rounds", type=int, default=None, help="default: 7 (forward), 3 (curves), 4 (halves)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-category", type=int, default=2, help="agreement: dev questions per category")

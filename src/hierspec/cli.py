@@ -305,7 +305,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_draft_tokens=args.max_draft_tokens, warmup=args.warmup, datastores=tuple(args.datastore),
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         sampling_seeds=_seeds(args.sampling_seeds), draft_model=args.draft_model, middle_model=args.middle_model,
-        self_verify=args.self_verify, draft_vocab=_draft_vocab(args), first_turn_only=args.first_turn_only, subset_seed=args.seed,
+        self_verify=args.self_verify, draft_vocab=_draft_vocab(args), first_turn_only=args.first_turn_only,
+        subset_seed=args.seed,
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")

@@ -41,9 +41,10 @@ using hierspec_int4::load;
 using hierspec_int4::vf;
 
 // One stack of a projection, its kernel told by its codes: the integer (VNNI) products {6-D codes, scales, bias,
-// units} (rows as two 8-bit codes an input; with a fifth, empty tensor: as one), the AVX512-BF16 products {5-D codes, scales, bias}, the AMX products {4-D codes, scales, bias}, the
-// compiled 8-bit product {int8 codes, scales}, the compiled 4-bit one {uint8 codes [P, N, K / 2], scales, bias}, or
-// PyTorch's kernel {packed [N, K / 2], table} per pass.
+// units} (rows as two 8-bit codes an input; with a fifth, empty tensor: as one), the AVX512-BF16 products {5-D
+// codes, scales, bias}, the AMX products {4-D codes, scales, bias}, the compiled 8-bit product {int8 codes, scales},
+// the compiled 4-bit one {uint8 codes [P, N, K / 2], scales, bias}, or PyTorch's kernel {packed [N, K / 2], table}
+// per pass.
 torch::Tensor stack_product(const torch::Tensor& rows, const std::vector<torch::Tensor>& stack) {
   if (stack[0].dim() == 6)
     return (stack.size() == 5 ? int4_vnni8_mm : int4_vnni_mm)(rows.contiguous(), stack[0], stack[1], stack[2],
