@@ -64,6 +64,7 @@ def test_stream_and_stats_output(capsys, model_dir):
     (["generate", "w1", "--top-k", "-1"], "top_k must be an integer >= 0"),
     (["generate", "w1", "--method", "nope"], "unknown method 'nope'"),
     (["generate", "w1", "--method", "pld:bogus=1"], "has no option 'bogus'"),
+    (["generate", "w1", "--draft-vocab", "-1"], "--draft-vocab must be 0"),
 ])
 def test_bad_input_gives_one_clear_line(capsys, model_dir, args, message):
     code, out, err = _run(capsys, *args, "--model", model_dir, "--raw")
