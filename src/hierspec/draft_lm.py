@@ -92,8 +92,8 @@ class DraftLM:
 
     def __init__(self, model: TargetModel, vocab_size: int | None = None,
                  step_cost: Callable[[int], float] | None = None, head: VocabHead | None = None) -> None:
-        """``step_cost``: milliseconds of one of this model's forwards over ``rows`` tokens (its cost curve, with
-        the whole head), which cost-aware drafting weighs against the target's; ``None``: unknown, taken as free."""
+        """``step_cost``: milliseconds of one of this model's forwards over ``rows`` tokens as this draft runs them
+        (with ``head``), which cost-aware drafting weighs against the target's; ``None``: unknown, taken as free."""
         self.model = model
         self.vocab_size = vocab_size or model.vocab_size
         self._step_cost = step_cost
@@ -106,25 +106,8 @@ class DraftLM:
 
     @functools.cached_property
     def step_ms(self) -> float:
-        """Milliseconds of one one-token forward (read from the cost curve once, when first asked; 0 when unknown).
-        With a shortlist head, the curve's figure times the share of a forward left with that head (measured once,
-        on a scratch cache)."""
-        if self._step_cost is None:
-            return 0.0
-        full = float(self._step_cost(1))
-        return full if self.head is None else full * self._head_saving()
-
-    def _head_saving(self, repeats: int = 5) -> float:
-        """The time of a one-token forward with the shortlist head over that with the whole head (at most 1)."""
-        tree = root_only(0)
-        best = {None: float("inf"), "short": float("inf")}
-        for _ in range(repeats):
-            for key, head in ((None, None), ("short", self.head)):
-                cache = self.model.new_cache()
-                start = time.perf_counter()
-                self.model.forward_tree(cache, tree, head=head)
-                best[key] = min(best[key], time.perf_counter() - start)
-        return min(1.0, best["short"] / best[None]) if best[None] > 0 else 1.0
+        """Milliseconds of one one-token forward (read from the cost curve once, when first asked; 0 when unknown)."""
+        return float(self._step_cost(1)) if self._step_cost is not None else 0.0
 
     def reset(self) -> None:
         """Forget everything (start of a generation)."""
@@ -205,6 +188,20 @@ class DraftLM:
         """Logits of the token after ``context`` (``[vocab]``, ``-inf`` outside a shortlist); the cache then holds
         all of ``context``."""
         return self.spread(self.next_scores(context), -torch.inf)
+
+
+def shortlist_share(model: TargetModel, head: VocabHead, repeats: int = 5) -> float:
+    """The time of ``model``'s one-token forward with ``head`` over that with its whole head (at most 1; the best of
+    ``repeats`` each, in turn, on scratch caches): what a shortlist leaves of a forward its cost curve measured."""
+    tree = root_only(0)
+    best = {None: float("inf"), "short": float("inf")}
+    for _ in range(repeats):
+        for key, used in ((None, None), ("short", head)):
+            cache = model.new_cache()
+            start = time.perf_counter()
+            model.forward_tree(cache, tree, head=used)
+            best[key] = min(best[key], time.perf_counter() - start)
+    return min(1.0, best["short"] / best[None]) if best[None] > 0 else 1.0
 
 
 def shortlist_tokens(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray | None:

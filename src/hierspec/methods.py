@@ -74,7 +74,7 @@ class DrafterContext:
     def load_draft_lm(self, spec: str, method: str):
         """A :class:`~hierspec.draft_lm.DraftLM` for ``self:K`` (the target's first K layers) or a model to load
         (id, directory or ``.gguf``; it must share the target's tokenizer)."""
-        from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model
+        from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_share
         from hierspec.target import load_model
 
         from hierspec.calibration import verification_cost
@@ -90,9 +90,16 @@ class DrafterContext:
         shortlist = self.draft_shortlist()
         head = None if shortlist is None else self.shared(("draft-head", spec, self.draft_vocab),
                                                           lambda: draft.head_over(shortlist))
-        # the draft's own cost curve (measured once per machine when missing), read when cost-aware drafting asks
-        return DraftLM(draft, self.target.vocab_size, step_cost=lambda rows: verification_cost(draft)(rows),
-                       head=head)
+
+        def step_cost(rows: int) -> float:
+            # the draft's own cost curve (measured once per machine when missing, with its whole head), read when
+            # cost-aware drafting asks; with a shortlist head, times the share of a forward it leaves (measured once
+            # per head, however many generations draft with it)
+            cost = verification_cost(draft)(rows)
+            return cost if head is None else cost * self.shared(("draft-head-share", spec, self.draft_vocab),
+                                                                lambda: shortlist_share(draft, head))
+
+        return DraftLM(draft, self.target.vocab_size, step_cost=step_cost, head=head)
 
     def draft_shortlist(self) -> np.ndarray | None:
         """The ``draft_vocab`` tokens a draft model's head computes: the most frequent ones in this tokenizer's

@@ -151,19 +151,18 @@ class LlamaFamilyDecoder:
         # a prompt's attention runs in the products' dtype (bfloat16 halves its time where the CPU computes it)
         self._prompt_dtype = product_dtype or self.embedding.dtype
         names = {module: name for name, module in model.named_modules()}
+        kernels = int4_kernel or Int4Kernels("torch", "torch")
 
         def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None)
-            kernels = int4_kernel or Int4Kernels("torch", "torch")
             return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears],
                                   kernels.four_bit, kernels.eight_bit)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
         head = model.get_output_embeddings()
         self.lm_head = projection(head, copy=False)
-        self._head_source = (head, None if quantized is None else quantized[names[head]],
-                             int4_kernel or Int4Kernels("torch", "torch"))
+        self._head_source = (head, None if quantized is None else quantized[names[head]], kernels)
         self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
                               norm2=layer.post_attention_layernorm.weight.detach(),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),

@@ -421,17 +421,17 @@ def bf16_reason() -> str | None:
     return _own_kernel_reason("bf16_ready", "this CPU has no AVX512_BF16 instructions", _check_bf16)
 
 
-def vnni_reason() -> str | None:
-    """Why the integer (VNNI) products (``int4_vnni.cpp``) cannot run here — no compiled kernel, a CPU with neither
-    AVX512_VNNI nor AVX2 (with FMA and F16C), wrong products — or ``None`` when they can."""
-    return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C", _check_vnni)
+def vnni_reason(one_code: bool = False) -> str | None:
+    """Why the integer (VNNI) products (``int4_vnni.cpp``; ``one_code``: with rows as one 8-bit code an input,
+    ``--int4-kernel vnni8``) cannot run here — no compiled kernel, a CPU with neither AVX512_VNNI nor AVX2 (with FMA
+    and F16C), wrong products — or ``None`` when they can."""
+    return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C",
+                              functools.partial(_check_vnni, one_code=one_code))
 
 
 def vnni8_reason() -> str | None:
-    """Why the integer products with rows as one 8-bit code an input (``--int4-kernel vnni8``) cannot run here, as
-    :func:`vnni_reason` tells it, or ``None`` when they can."""
-    return _own_kernel_reason("vnni_ready", "this CPU has neither AVX512_VNNI nor AVX2 with FMA and F16C",
-                              _check_vnni8)
+    """:func:`vnni_reason` for rows as one 8-bit code an input (``--int4-kernel vnni8``)."""
+    return vnni_reason(one_code=True)
 
 
 def _own_kernel_reason(ready: str, missing: str, check: Callable) -> str | None:
@@ -463,21 +463,15 @@ def _check_bf16(module) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _check_vnni(module) -> str | None:
-    """Why the integer (VNNI) products are wrong or depend on the rows beside them (their weights exact, their rows
-    rounded by :func:`vnni_rounded`), or differ with factored scales from the same scales stored whole."""
-    return (_check_decoding_products(module, pack_vnni, pack_vnni_int8, vnni_rounded, lambda w: w,
-                                     "the integer (VNNI) products") or _check_vnni_factors(module))
-
-
-@functools.lru_cache(maxsize=None)
-def _check_vnni8(module) -> str | None:
-    """:func:`_check_vnni` for rows as one 8-bit code an input."""
-    return (_check_decoding_products(module, functools.partial(pack_vnni, one_code=True),
-                                     functools.partial(pack_vnni_int8, one_code=True),
-                                     functools.partial(vnni_rounded, one_code=True), lambda w: w,
-                                     "the one-code integer (VNNI) products")
-            or _check_vnni_factors(module, one_code=True))
+def _check_vnni(module, one_code: bool = False) -> str | None:
+    """Why the integer (VNNI) products (rows as one 8-bit code an input with ``one_code``) are wrong or depend on the
+    rows beside them (their weights exact, their rows rounded by :func:`vnni_rounded`), or differ with factored scales
+    from the same scales stored whole."""
+    name = "the one-code integer (VNNI) products" if one_code else "the integer (VNNI) products"
+    return (_check_decoding_products(module, functools.partial(pack_vnni, one_code=one_code),
+                                     functools.partial(pack_vnni_int8, one_code=one_code),
+                                     functools.partial(vnni_rounded, one_code=one_code), lambda w: w, name)
+            or _check_vnni_factors(module, one_code))
 
 
 def random_factors(generator: torch.Generator, out_features: int, in_features: int, eight: bool):
