@@ -82,8 +82,10 @@ void check_factors(const TileShape& shape, const torch::Tensor& scale, const tor
 
 #ifdef HIERSPEC_VNNI
 constexpr int kQuads = 8;         // a step's quads of 4 inputs
-constexpr int kRowsPerPass = 8;   // an accumulator a row beside a step's 8 quads and its scales
-constexpr int64_t kGrain = 4;     // blocks of outputs a thread takes at least
+// an accumulator a row beside a step's 8 quads and its scales (AVX-512's 32 registers hold 12 rows' accumulators)
+constexpr int kRowsPerPass = HIERSPEC_VNNI == 512 ? 12 : 8;
+constexpr int64_t kGrain = 4;        // blocks of outputs a thread takes at least
+constexpr int64_t kRoundGrain = 64;  // row steps a thread rounds at least
 
 // A row's step of 32 inputs as two 8-bit codes an input: x ~ e (128 high + low)
 struct RowStep {
@@ -201,8 +203,25 @@ inline RowStep round_step(const float* x, int8_t* out) {
 }
 #endif
 
-// The step as one 8-bit code an input — the high codes of round_step alone — and its RowStep for them: x ~ d high
-// (the scale d / 128 times 128 is d exactly)
+// The step as one 8-bit code an input — round_step's high codes, computed alone — and its RowStep for them:
+// x ~ d high (round_step's scale d / 128 times 128 is d exactly)
+#if HIERSPEC_VNNI == 512
+inline RowStep round_step_one(const float* x, int8_t* out) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = largest / 127.f;
+  const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  const auto high = [&](__m512 v) {
+    return _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse))));
+  };
+  const __m512i high_a = high(a), high_b = high(b);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high_a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_b));
+  const int32_t first = _mm512_reduce_add_epi32(high_a), second = _mm512_reduce_add_epi32(high_b);
+  return {d, static_cast<float>(first + second), -128 * first, -128 * second};
+}
+#else
 inline RowStep round_step_one(const float* x, int8_t* out) {
   alignas(64) int8_t both[2 * kStep];
   const RowStep two = round_step(x, both);
@@ -213,19 +232,24 @@ inline RowStep round_step_one(const float* x, int8_t* out) {
   }
   return {two.scale * 128.f, static_cast<float>(sums[0] + sums[1]), -128 * sums[0], -128 * sums[1]};
 }
+#endif
 
 // x [rows, k] (k a multiple of 32) as two 8-bit codes an input, per step of 32 inputs: d = max |x| / 127,
 // high = round(x / d), low = round((x - high d) 128 / d) (each rounded as the MXCSR rounds: to nearest, ties to even;
 // x / d as x times 1 / d; |low| <= 64), so that x ~ d / 128 (128 high + low), within d / 256; or (Two false) as
-// the high codes alone, x ~ d high within d / 2
+// the high codes alone, x ~ d high within d / 2. Each step on its own, so the threads share them out.
 template <bool Two>
 void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& codes, std::vector<RowStep>& steps) {
   constexpr int64_t kCodes = Two ? 2 : 1;
   codes.resize(static_cast<size_t>(kCodes * rows * k));
   steps.resize(static_cast<size_t>(rows * k / kStep));
-  for (int64_t i = 0; i < rows * k / kStep; ++i)
-    steps[static_cast<size_t>(i)] = Two ? round_step(x + kStep * i, codes.data() + 2 * kStep * i)
-                                        : round_step_one(x + kStep * i, codes.data() + kStep * i);
+  int8_t* code = codes.data();
+  RowStep* step = steps.data();
+  at::parallel_for(0, rows * k / kStep, kRoundGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      step[i] = Two ? round_step(x + kStep * i, code + 2 * kStep * i)
+                    : round_step_one(x + kStep * i, code + kStep * i);
+  });
 }
 
 // kWidth scales (or biases, or their integer steps) as float32
@@ -331,9 +355,12 @@ inline IV dot_quad(IV acc, IV weights, int32_t codes) {
 }
 // the 4-bit form's sums over a step's 8 quads (every product below 2^11: VPDPBUSD is exact)
 inline IV dot_step4(const IV quads[kQuads], const int8_t* codes) {
-  IV sum = _mm512_setzero_si512();
-  for (int c = 0; c < kQuads; ++c) sum = dot_quad(sum, quads[c], quad_of(codes, c));
-  return sum;
+  IV even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: a dot waits ~4 cycles for the last
+  for (int c = 0; c < kQuads; c += 2) {
+    even = dot_quad(even, quads[c], quad_of(codes, c));
+    odd = dot_quad(odd, quads[c + 1], quad_of(codes, c + 1));
+  }
+  return _mm512_add_epi32(even, odd);
 }
 #else
 // pairs of int16 sums widened to each output's int32 sum of 4
@@ -480,6 +507,7 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
       typename Form::Quads quads;
       Form::decode(codes + s * Form::kStepBytes, part, quads);
       const auto scales = Form::scales_of(source, block, s, part);
+#pragma GCC unroll 16
       for (int m = 0; m < MT; ++m) {
         const int64_t at = (r0 + m) * x.steps_per_row + s;
         acc[m][part] = Form::template row<Two>(quads, x.codes + kCodes * kStep * at, x.steps[at], scales,
@@ -496,6 +524,10 @@ template <bool Two, class Form, class Source>
 void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block, float* out) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
+      case 12: block_rows<12, Two, Form>(w, source, x, block, r0, out); break;
+      case 11: block_rows<11, Two, Form>(w, source, x, block, r0, out); break;
+      case 10: block_rows<10, Two, Form>(w, source, x, block, r0, out); break;
+      case 9: block_rows<9, Two, Form>(w, source, x, block, r0, out); break;
       case 8: block_rows<8, Two, Form>(w, source, x, block, r0, out); break;
       case 7: block_rows<7, Two, Form>(w, source, x, block, r0, out); break;
       case 6: block_rows<6, Two, Form>(w, source, x, block, r0, out); break;
