@@ -74,6 +74,12 @@ def test_bad_input_gives_one_clear_line(capsys, model_dir, args, message):
     assert err.strip().splitlines()[-1].startswith("hierspec: error:")
 
 
+def test_an_unknown_draft_requantization_is_refused_by_the_parser(capsys, model_dir):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "w1", "--model", model_dir, "--draft-requantize", "2bit"])
+    assert exit_info.value.code == 2 and "invalid choice: '2bit'" in capsys.readouterr().err
+
+
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "missing.gguf"))
     assert code == 2 and "GGUF file not found" in err

@@ -112,6 +112,27 @@ def test_eight_bit_weights_rebuild_exactly_from_their_passes(kind):
                                       16, 32)) is None
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
+def test_a_weight_of_more_than_4_bits_requantizes_to_one_4_bit_pass_within_half_a_step(kind):
+    rng = np.random.default_rng(5)
+    values = (rng.standard_normal((48, 512)) * 0.05).astype(np.float32)
+    values[3, :32] = 0.25  # a constant group
+    values[4, 32:64] += 3.0  # a group far from zero
+    raw = random_k_blocks(kind, 48, 512, rng) if kind == "Q6_K" else quantize(values, GGMLQuantizationType[kind])
+    passes = q.decode_blocks(kind, raw, 48, 512)
+    exact = sum(p.dequantize() for p in passes)
+    (one,) = q.requantize_4bit(passes)
+    assert one.codes.dtype == torch.uint8 and one.codes.shape == (48, 512) and int(one.codes.max()) <= 15
+    for part in (one.scales, one.zeros):  # float16 values, as Q4_1 stores them (the kernels' half-width scales)
+        assert part.shape == (48, 16) and torch.equal(part.to(torch.float16).to(torch.float32), part)
+    error = (one.dequantize() - exact).abs().reshape(48, 16, 32)
+    assert (error <= one.scales[..., None] / 2 * (1 + 1e-5) + 1e-7).all()
+    assert (one.scales >= 0).all() and one.scales.mean() < exact.abs().mean()  # a step is a fraction of the weights
+    four_bit = q.decode_blocks("Q4_1", quantize(values, GGMLQuantizationType.Q4_1), 48, 512)
+    kept = q.requantize_4bit(four_bit)
+    assert len(kept) == 1 and kept[0] is four_bit[0]  # already 4 bits: as stored
+
+
 def test_a_q6_k_pass_decodes_the_other_half_of_each_group_to_exact_zeros_in_the_kernel():
     """The kernel sees bfloat16 scales: a pass's foreign half must still cancel to 0, not to a rounding residue."""
     raw = random_k_blocks("Q6_K", 16, 256, np.random.default_rng(2))
@@ -403,6 +424,33 @@ def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path, prefi
         _int4_target(*_tiny(tmp_path), kernel), ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
         GenerationConfig(max_new_tokens=40, stop_at_eos=False))
     assert accepted > 0
+
+
+@pytest.mark.parametrize("requantize", ["4bit", "none"])
+def test_a_draft_models_8_bit_weights_are_requantized_to_4_bits_at_load_and_no_output_changes(tmp_path, monkeypatch,
+                                                                                             requantize):
+    target = _int4_target(*_tiny(tmp_path))
+    draft_model = make_model("llama", vocab_size=VOCAB, seed=11, dtype=torch.float32, layers=1, hidden=64)
+    draft_file = write_tiny_gguf(tmp_path / "draft.gguf", draft_model, layer_kind="Q8_0")
+    loaded = []
+
+    def load_draft(spec, config):  # load_model's runtime for the file, as the context configures it
+        loaded.append(TargetModel(draft_model, make_tokenizer(VOCAB), spec,
+                                  RuntimeConfig(gguf=str(draft_file), requantize=config.requantize)))
+        return loaded[-1]
+
+    monkeypatch.setattr("hierspec.target.load_model", load_draft)
+    context = DrafterContext(target, find_default_stores=False, draft_requantize=requantize)
+    draft = context.load_draft_lm("tiny-draft", "sd").model
+    assert draft is loaded[0] and draft.runtime.kind == "int4" and not target.runtime.requantized
+    assert draft.runtime.requantized == (requantize == "4bit")
+    # another model than the file's: its cost curve is its own
+    assert draft.name == ("tiny-draft, requantized to 4 bits" if requantize == "4bit" else "tiny-draft")
+    prompt, config = [4, 8, 15, 16, 23, 42, 4, 8, 15], GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
+    result = SpeculativeDecoder(target, make_drafter("sd:draft=tiny-draft,k=4,budget=off", context)).generate(
+        prompt, config)
+    assert result.token_ids == reference and result.stats.drafted_tokens > 0
 
 
 def test_a_q5_0_file_runs_on_the_int4_path_as_8_bit_codes_and_every_method_equals_plain_decoding(tmp_path, kernel):

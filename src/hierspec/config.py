@@ -33,6 +33,8 @@ def check_text(text, what: str) -> str:
 #: tokens a draft model's head computes by default (``--draft-vocab``): the 32,768 most frequent in the target's
 #: tokenizer's suffix stores cover ~97 % of Qwen2.5-Coder-1.5B's answer tokens on dev questions (BENCHMARKS.md)
 DRAFT_VOCAB = 32768
+#: draft models' weights by default (``--draft-requantize``): 4-bit, fewer bytes a draft step
+DRAFT_REQUANTIZE = "4bit"
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,11 @@ class ModelConfig:
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
             not attend). Every method reads the same stored entries, so each stays lossless against plain decoding.
+        requantize: ``"none"`` (a GGUF file's weights as stored) or ``"4bit"`` (on the int4 path, weights stored
+            with more bits — ``Q8_0``, ``Q5_0``, ``Q6_K`` — rounded to 4-bit codes as ``Q4_1`` rounds them at load:
+            fewer bytes a forward). Meant for draft models, whose weights decide what is proposed, never what is
+            output (``--draft-requantize``); a target loaded so is another model, its own plain decoding the
+            reference.
     """
 
     spec: str | None = None
@@ -155,8 +162,11 @@ class ModelConfig:
     attention: str = "auto"
     int4_kernel: str = "auto"
     kv_cache: str = "auto"
+    requantize: str = "none"
 
     def __post_init__(self) -> None:
+        if self.requantize not in {"none", "4bit"}:
+            raise InputError(f"unknown requantization {self.requantize!r}: use none or 4bit")
         if self.kv_cache not in {"auto", "model", "float16"}:
             raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use auto, model or float16")
         if self.int4_kernel not in {"auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8"}:

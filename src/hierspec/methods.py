@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hierspec.config import DRAFT_VOCAB
+from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, ModelConfig
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.registry import MethodSpec, build_drafter, methods, split_methods
@@ -36,7 +36,9 @@ class DrafterContext:
     ``draft_model`` / ``middle_model`` / ``self_verify`` are the command line's defaults for ``sd`` and ``hsddw``
     (a method's own ``draft=`` / ``middle=`` options win); ``model_config`` is how to load such models;
     ``draft_vocab``: the tokens a draft model's head computes (the most frequent in this tokenizer's suffix
-    stores, see :meth:`draft_shortlist`; 0 = its whole vocabulary).
+    stores, see :meth:`draft_shortlist`; 0 = its whole vocabulary); ``draft_requantize``: how a draft model's GGUF
+    weights are held (``"4bit"``: rounded to 4 bits at load, fewer bytes a draft step; ``"none"``: as stored —
+    :attr:`~hierspec.config.ModelConfig.requantize`).
 
     Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
     are optional (``hd``) also look in ``store_root`` (see :func:`~hierspec.datastore.format.default_store_dir`;
@@ -53,6 +55,7 @@ class DrafterContext:
     model_config: object | None = None
     cost_curve: str | None = None
     draft_vocab: int = DRAFT_VOCAB
+    draft_requantize: str = DRAFT_REQUANTIZE
     _opened: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any:
@@ -82,11 +85,12 @@ class DrafterContext:
         def load():
             if spec.startswith(SELF_PREFIX):
                 return self_drafting_model(self.target, self_layers(spec, self.target))
-            model = load_model(spec, self.model_config) if self.model_config is not None else load_model(spec)
+            config = replace(self.model_config or ModelConfig(), requantize=self.draft_requantize)
+            model = load_model(spec, config)
             check_same_tokenizer(model, self.target)
             return model
 
-        draft = self.shared(("draft-model", spec), load)
+        draft = self.shared(("draft-model", spec, self.draft_requantize), load)
         shortlist = self.draft_shortlist()
         head = None if shortlist is None else self.shared(("draft-head", spec, self.draft_vocab),
                                                           lambda: draft.head_over(shortlist))

@@ -58,6 +58,8 @@ class TargetModel:
         self.eos_token_ids = frozenset(_eos_ids(model, tokenizer))
         self._check_cache_layout()
         self.runtime = Runtime(model, runtime)
+        if self.runtime.requantized:  # another model than the file's: its cost curve and records are its own
+            self.name = f"{self.name}, requantized to 4 bits"
         self._generation = threading.Lock()
         self._generating_thread: int | None = None
 
@@ -275,4 +277,5 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
                              kv_cache=config.kv_cache)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
-                         attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache)
+                         attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache,
+                         requantize=config.requantize)

@@ -20,7 +20,7 @@ from hierspec.bench.metrics import MethodRecord, QuestionRun, explain_divergence
 from hierspec.bench.plots import write_plots
 from hierspec.bench.questions import Question, load_questions, select_questions
 from hierspec.bench.report import write_answers, write_report
-from hierspec.config import DRAFT_VOCAB, GenerationConfig, ModelConfig, SamplingConfig
+from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
 from hierspec.bench.peers import LLAMACPP_METHODS, LlamaCppRunner, gguf_file
@@ -57,6 +57,8 @@ class BenchConfig:
             ``summary["seeds"]`` gives each method's speedup per seed with its mean and spread.
         draft_model / middle_model / self_verify: defaults for ``sd`` and ``hsddw`` (``--draft-model`` …).
         draft_vocab: tokens a draft model's head computes (``--draft-vocab``; 0 = all).
+        draft_requantize: how a draft model's GGUF weights are held (``--draft-requantize``: ``"4bit"`` or
+            ``"none"``).
         first_turn_only: answer only each question's first turn (default: every turn, each later turn seeing the
             method's own earlier answers, as Spec-Bench does for MT-Bench).
         subset_seed: pick the subset at random with this seed instead of in file order.
@@ -76,6 +78,7 @@ class BenchConfig:
     middle_model: str | None = None
     self_verify: bool = False
     draft_vocab: int = DRAFT_VOCAB
+    draft_requantize: str = DRAFT_REQUANTIZE
     first_turn_only: bool = False
     subset_seed: int | None = None
     sampling_seeds: tuple[int, ...] = (0,)
@@ -213,7 +216,7 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     model = model or load_model(config=model_config)
     context = DrafterContext(model, config.datastores, draft_model=config.draft_model,
                              middle_model=config.middle_model, self_verify=config.self_verify,
-                             draft_vocab=config.draft_vocab,
+                             draft_vocab=config.draft_vocab, draft_requantize=config.draft_requantize,
                              model_config=model_config)
     runners = make_runners(model, config.methods, gen_config, context)
     out_dir = Path(config.out_dir)

@@ -38,7 +38,8 @@ from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
-from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
+from hierspec.runtime.quantized import (Int4Kernels, Int4Weight, load_gguf_weights, requantize_4bit,
+                                        resolve_kernel)
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 RUNTIME_KINDS = ("auto", "int4", "packed", "graphs", "eager")
 ATTENTIONS = ("auto", "sdpa", "exact")
 KV_CACHE_CHOICES = ("auto", "model", "float16")
+REQUANTIZE_CHOICES = ("none", "4bit")
 #: tree sizes (root included) are padded up to one of these row counts on the packed CPU runtime: a bounded set of
 #: shapes, never a one-row product (the one size whose float32 results differ from the others'), and 4 rows cost
 #: less than 1 or 2 with oneDNN's kernels (BENCHMARKS.md, "Runtime")
@@ -86,6 +88,8 @@ class RuntimeConfig:
             or ``"vnni"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
         kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
             path), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
+        requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
+            load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
     """
 
     kind: str = "auto"
@@ -96,8 +100,11 @@ class RuntimeConfig:
     attention: str = "auto"
     int4_kernel: str = "auto"
     kv_cache: str = "auto"
+    requantize: str = "none"
 
     def __post_init__(self) -> None:
+        if self.requantize not in REQUANTIZE_CHOICES:
+            raise InputError(f"unknown requantization {self.requantize!r}: use {' or '.join(REQUANTIZE_CHOICES)}")
         if self.kv_cache not in KV_CACHE_CHOICES:
             raise InputError(f"unknown KV cache dtype {self.kv_cache!r}: use {', '.join(KV_CACHE_CHOICES)}")
         if self.kind not in RUNTIME_KINDS:
@@ -130,6 +137,7 @@ class Runtime:
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.packing = None
         self.int4_kernel: Int4Kernels | None = None
+        self.requantized = False  # the int4 path's weights rounded to 4 bits at load (RuntimeConfig.requantize)
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
@@ -178,6 +186,9 @@ class Runtime:
         weights = None
         if reason is None:
             weights, reason = load_gguf_weights(self.config.gguf, self.model.config, self.config.gguf_cache)
+        if weights is not None and self.config.requantize == "4bit":
+            weights = {module: requantize_4bit(passes) for module, passes in weights.items()}
+            self.requantized = True
         if reason is not None:
             if self.config.kind == "int4":
                 raise InputError(f"the int4 runtime is unavailable: {reason}")

@@ -174,6 +174,40 @@ def quantize_q8_0(weight: torch.Tensor) -> list[Int4Weight]:
     return _signed_passes(codes.reshape(weight.shape).numpy(), scale.numpy())
 
 
+def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
+    """A weight of more than 4 bits (``Q8_0``, ``Q5_0``, ``Q6_K``: several passes) rounded to one 4-bit pass with a
+    float16 scale and offset per 32 inputs, as ``Q4_1`` stores them — for a draft model, whose weights decide only
+    what is proposed, never what is output; a 4-bit weight (one pass) is returned as it is.
+
+    ``w = (code - 8) * d + z``: ``z`` is the group's value at code 8 (8/15 of the way up its range) and ``d`` the
+    smallest float16 step with which codes 0..15 span the range from ``z``, so every element lands within ``d / 2``
+    of its value and no code is clipped."""
+    if len(passes) == 1:
+        return list(passes)
+    weight = passes[0].dequantize()
+    for other in passes[1:]:
+        weight += other.dequantize()
+    groups = weight.reshape(weight.shape[0], -1, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    middle = _float16_values(low + (high - low) * (8 / 15))
+    step = _float16_at_least(torch.maximum((high - middle) / 7, (middle - low) / 8))
+    codes = torch.round((groups - middle[..., None]) / torch.where(step > 0, step, 1.0)[..., None]) + 8
+    codes = codes.clamp(0, 15).to(torch.uint8).reshape(weight.shape)
+    return [Int4Weight(codes.contiguous(), step.contiguous(), middle.contiguous())]
+
+
+def _float16_values(values: torch.Tensor) -> torch.Tensor:
+    """float32 ``values`` rounded to the nearest float16."""
+    return values.to(torch.float16).to(torch.float32)
+
+
+def _float16_at_least(values: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 at or above each float32 value (non-negative, within float16's range)."""
+    rounded = values.to(torch.float16)
+    below = rounded.to(torch.float32) < values
+    return torch.where(below, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)), rounded).to(torch.float32)
+
+
 def decode_blocks(kind: str, raw: np.ndarray, rows: int, cols: int) -> list[Int4Weight]:
     """The 4-bit passes of one GGUF tensor ``[rows, cols]`` stored as ``kind`` blocks in ``raw`` (its bytes).
 
