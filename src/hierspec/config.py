@@ -137,8 +137,8 @@ class ModelConfig:
             ``"bf16"`` (hierspec's own with AVX512-BF16 dot products, e.g. AMD Zen 4: the AMX products' weights,
             decoded once for all rows, 8 rows a pass) or ``"vnni"`` (hierspec's own integer dot products, on
             AVX512-VNNI — AMD Zen 4, Intel from Cascade Lake on — or on AVX2's byte products — AMD Zen 3, Intel from
-            Haswell on — with the same results: the codes multiplied as integers by each row rounded
-            to two 8-bit codes an input, ~15 bits per 32 inputs; 8 rows a pass) or ``"vnni8"`` (the same with each
+            Haswell on — with the same results: the codes multiplied as integers by each row rounded to two 8-bit
+            codes an input, ~15 bits per 32 inputs; 12 rows a pass, 8 on AVX2) or ``"vnni8"`` (the same with each
             row rounded to one 8-bit code an input, llama.cpp's activation precision: half the dot products, so trees
             and batches cost less; never chosen by ``auto``).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
