@@ -140,19 +140,27 @@ constexpr int64_t kQuadPartBytes = 4 * kWidth;  // a quad's bytes of one part
 // A step of 32 inputs as its 32 high codes, then its 32 low ones (see rounded_rows), each within +-127, and its
 // RowStep: the same float32 operations per input in both builds, so the same codes
 #if HIERSPEC_VNNI == 512
+// 16 inputs' codes within +-127: round(x times 1 / d)
+inline __m512i clamped_codes(__m512 scaled) {
+  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
+  return _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(scaled)));
+}
+
 // 16 inputs' high and low codes
 inline void split(__m512 x, __m512 d, __m512 inverse, __m512i& high, __m512i& low) {
-  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
-  high = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(x, inverse))));
+  high = clamped_codes(_mm512_mul_ps(x, inverse));
   const __m512 rest = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(high), d, x);  // x - high d, rounded once
-  low = _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(
-                                     _mm512_mul_ps(rest, _mm512_mul_ps(inverse, _mm512_set1_ps(128.f))))));
+  low = clamped_codes(_mm512_mul_ps(rest, _mm512_mul_ps(inverse, _mm512_set1_ps(128.f))));
+}
+
+// a step's d = max |x| / 127 over its two halves
+inline float step_scale(__m512 a, __m512 b) {
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.f;
 }
 
 inline RowStep round_step(const float* x, int8_t* out) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float d = largest / 127.f;
+  const float d = step_scale(a, b);
   const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
   __m512i high_a, low_a, high_b, low_b;
   split(a, _mm512_set1_ps(d), inverse, high_a, low_a);
@@ -165,7 +173,6 @@ inline RowStep round_step(const float* x, int8_t* out) {
   const int32_t second = 128 * _mm512_reduce_add_epi32(high_b) + _mm512_reduce_add_epi32(low_b);
   return {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
 }
-
 #else
 // 8 inputs' high and low codes, as the AVX-512 build's split computes them lane by lane
 inline void split(__m256 x, __m256 d, __m256 inverse, __m256i& high, __m256i& low) {
@@ -208,14 +215,9 @@ inline RowStep round_step(const float* x, int8_t* out) {
 #if HIERSPEC_VNNI == 512
 inline RowStep round_step_one(const float* x, int8_t* out) {
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
-  const float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const float d = largest / 127.f;
+  const float d = step_scale(a, b);
   const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-  const __m512i top = _mm512_set1_epi32(127), bottom = _mm512_set1_epi32(-127);
-  const auto high = [&](__m512 v) {
-    return _mm512_max_epi32(bottom, _mm512_min_epi32(top, _mm512_cvtps_epi32(_mm512_mul_ps(v, inverse))));
-  };
-  const __m512i high_a = high(a), high_b = high(b);
+  const __m512i high_a = clamped_codes(_mm512_mul_ps(a, inverse)), high_b = clamped_codes(_mm512_mul_ps(b, inverse));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(high_a));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(high_b));
   const int32_t first = _mm512_reduce_add_epi32(high_a), second = _mm512_reduce_add_epi32(high_b);
