@@ -542,6 +542,27 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
             assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
 
 
+def test_weights_requantized_to_4_bits_are_cached_in_a_file_of_their_own(tmp_path, monkeypatch):
+    model, path = _tiny(tmp_path, layer_kind="Q8_0")
+    cache_dir = tmp_path / "converted"
+    cache_dir.mkdir()
+    plain, _ = q.load_gguf_weights(path, model.config, cache_dir)
+    first, _ = q.load_gguf_weights(path, model.config, cache_dir, requantize=True)
+    assert (cache_dir / q.CACHE_FILE).is_file() and (cache_dir / q.REQUANTIZED_CACHE_FILE).is_file()
+    assert all(len(passes) == 2 for passes in plain.values()) and all(len(passes) == 1 for passes in first.values())
+
+    def refuse(passes):
+        raise AssertionError("the cached requantized weights should have been read")
+
+    monkeypatch.setattr(q, "requantize_4bit", refuse)
+    second, _ = q.load_gguf_weights(path, model.config, cache_dir, requantize=True)
+    for name in first:
+        (a,), (b,) = first[name], second[name]
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
+    again, _ = q.load_gguf_weights(path, model.config, cache_dir)  # the file's own cache untouched
+    assert torch.equal(again["lm_head"][1].codes, plain["lm_head"][1].codes)
+
+
 def test_a_k_quant_files_scale_factors_are_cached_with_its_passes(tmp_path):
     model, path = _tiny_k_quant(tmp_path)
     first, _ = q.load_gguf_weights(path, model.config, tmp_path)

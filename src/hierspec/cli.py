@@ -69,8 +69,8 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
                        help=f"tokens a draft model's head computes: the most frequent in this tokenizer's suffix "
                             f"stores (default {DRAFT_VOCAB}; 0 = its whole vocabulary)")
     group.add_argument("--draft-requantize", choices=("4bit", "none"), default=DRAFT_REQUANTIZE,
-                       help="a draft model's GGUF weights of more than 4 bits (Q8_0, Q6_K) rounded to 4 bits at load, "
-                            "fewer bytes a draft step (the output never depends on them); none = as stored "
+                       help="a draft model's GGUF weights of more than 4 bits (Q8_0, Q5_0, Q6_K) rounded to 4 bits at "
+                            "load, fewer bytes a draft step (the output never depends on them); none = as stored "
                             f"(default {DRAFT_REQUANTIZE})")
 
 

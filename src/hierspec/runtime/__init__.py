@@ -38,8 +38,7 @@ from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
-from hierspec.runtime.quantized import (Int4Kernels, Int4Weight, load_gguf_weights, requantize_4bit,
-                                        resolve_kernel)
+from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -137,7 +136,6 @@ class Runtime:
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.packing = None
         self.int4_kernel: Int4Kernels | None = None
-        self.requantized = False  # the int4 path's weights rounded to 4 bits at load (RuntimeConfig.requantize)
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
@@ -185,10 +183,8 @@ class Runtime:
         reason = self._int4_reason()
         weights = None
         if reason is None:
-            weights, reason = load_gguf_weights(self.config.gguf, self.model.config, self.config.gguf_cache)
-        if weights is not None and self.config.requantize == "4bit":
-            weights = {module: requantize_4bit(passes) for module, passes in weights.items()}
-            self.requantized = True
+            weights, reason = load_gguf_weights(self.config.gguf, self.model.config, self.config.gguf_cache,
+                                                requantize=self.config.requantize == "4bit")
         if reason is not None:
             if self.config.kind == "int4":
                 raise InputError(f"the int4 runtime is unavailable: {reason}")
@@ -242,6 +238,11 @@ class Runtime:
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
+
+    @property
+    def requantized(self) -> bool:
+        """Whether the int4 path runs the file's weights rounded to 4 bits (``RuntimeConfig.requantize``)."""
+        return self.kind == "int4" and self.config.requantize == "4bit"
 
     @property
     def cache_dtype(self) -> torch.dtype:

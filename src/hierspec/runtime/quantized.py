@@ -60,8 +60,9 @@ SUPER_BLOCK = 256
 SUPPORTED_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
 #: bytes per block of each supported type
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}
-#: the decoded-weights cache beside a GGUF file's converted weights
+#: the decoded-weights cache beside a GGUF file's converted weights, and the same rounded to 4 bits
 CACHE_FILE = "int4-weights.safetensors"
+REQUANTIZED_CACHE_FILE = "int4-weights-4bit.safetensors"
 CACHE_MAGIC = "hierspec-int4-weights"
 #: 2: K-quant weights' scale factors (``Int4Weight.factors``) kept beside their passes
 CACHE_VERSION = 2
@@ -515,24 +516,29 @@ def _pack(weights: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, table
 
 
-def load_gguf_weights(path: str | Path, config, cache_dir: str | Path | None = None
+def load_gguf_weights(path: str | Path, config, cache_dir: str | Path | None = None, requantize: bool = False
                       ) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
     """:func:`read_gguf_weights`, through a cache file in ``cache_dir`` (the directory of the file's converted
     weights): reading a GGUF file's metadata takes seconds (its tokenizer's strings), the cache a fraction of that.
-    A cache that does not match its checksum or cannot be read is rebuilt; one that cannot be written is skipped
-    with a log line."""
-    cache = None if cache_dir is None else Path(cache_dir) / CACHE_FILE
+    With ``requantize``, the weights rounded to 4 bits (:func:`requantize_4bit`), cached in a file of their own
+    (rounding a 0.5B model's takes several seconds). A cache that does not match its checksum or cannot be read is
+    rebuilt; one that cannot be written is skipped with a log line."""
+    cache = None if cache_dir is None else Path(cache_dir) / (REQUANTIZED_CACHE_FILE if requantize else CACHE_FILE)
     if cache is not None and cache.is_file():
         from safetensors import SafetensorError
 
         try:
-            problem = checksums.damage(cache.parent, [CACHE_FILE])
+            problem = checksums.damage(cache.parent, [cache.name])
             if problem is None:
                 return _read_cache(cache), None
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
             problem = str(exc)
         log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, problem)
-    weights, reason = read_gguf_weights(path, config)
+    if requantize:
+        weights, reason = load_gguf_weights(path, config, cache_dir)
+        weights = None if weights is None else {module: requantize_4bit(passes) for module, passes in weights.items()}
+    else:
+        weights, reason = read_gguf_weights(path, config)
     if weights is not None and cache is not None:
         _write_cache(cache, weights)
     return weights, reason
@@ -591,7 +597,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
         save_file(tensors, tmp, metadata=meta)
         os.chmod(tmp, 0o644)
         os.replace(tmp, cache)
-        checksums.record(cache.parent, [CACHE_FILE])
+        checksums.record(cache.parent, [cache.name])
     except (OSError, SafetensorError, RuntimeError) as exc:  # safetensors' own errors: a full disk, shared memory
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)
