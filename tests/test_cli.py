@@ -80,6 +80,17 @@ def test_an_unknown_draft_requantization_is_refused_by_the_parser(capsys, model_
     assert exit_info.value.code == 2 and "invalid choice: '2bit'" in capsys.readouterr().err
 
 
+def test_an_unknown_prompt_kernel_is_refused_by_the_parser_and_a_known_one_reaches_the_model_config(capsys):
+    from hierspec.cli import _model_config, build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "w1", "--prompt-kernel", "fast"])
+    assert exit_info.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+    args = build_parser().parse_args(["generate", "w1", "--prompt-kernel", "vnni"])
+    assert _model_config(args).prompt_kernel == "vnni"
+    assert _model_config(build_parser().parse_args(["generate", "w1"])).prompt_kernel == "auto"
+
+
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "missing.gguf"))
     assert code == 2 and "GGUF file not found" in err

@@ -13,7 +13,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
-from hierspec.runtime import RuntimeConfig, onednn
+from hierspec.runtime import RuntimeConfig, onednn, prompt_kernel
 from hierspec.runtime import quantized as q
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
@@ -241,14 +241,22 @@ def test_a_gguf_files_weights_decode_to_exactly_the_dequantized_model(tmp_path, 
 
 @pytest.fixture
 def float32_prefill(monkeypatch):
-    """Prompts read through the float32 expansion, as on CPUs without native bfloat16."""
+    """Prompts read through the float32 expansion, as on CPUs without native bfloat16 where ``auto`` times the
+    expanded products faster."""
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: False)
+    monkeypatch.setattr(prompt_kernel, "timed_prompt_choice", lambda threads: "expanded")
 
 
-@pytest.fixture(params=["float32", "bfloat16"])
+@pytest.fixture(params=["float32", "bfloat16", "integer"])
 def prefill(request, monkeypatch):
-    """Each way the int4 runtime reads prompts: float32 products, or bfloat16 ones (CPUs with native bfloat16)."""
+    """Each way the int4 runtime reads prompts: float32 products, bfloat16 ones (CPUs with native bfloat16) of the
+    expanded weights, or the integer products' weights with rows as one 8-bit code (where trees are verified by
+    the integer kernels and ``auto`` times them faster)."""
+    if request.param == "integer" and request.node.callspec.params.get("kernel") not in ("vnni", "vnni8"):
+        pytest.skip("prompts are read by the integer products only where trees are")
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: request.param == "bfloat16")
+    monkeypatch.setattr(prompt_kernel, "timed_prompt_choice",
+                        lambda threads: "vnni8" if request.param == "integer" else "expanded")
     return request.param
 
 
@@ -378,7 +386,7 @@ def test_on_a_native_bfloat16_cpu_prompts_are_read_with_bfloat16_products_of_the
     prompt's keys and values stay close to the float32 expansion's."""
     model, path = _tiny(tmp_path)
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: True)
-    target = _int4_target(model, path, kv_cache="model")
+    target = _int4_target(model, path, kv_cache="model", prompt_kernel="expanded")
     prefill = target.runtime.prefill_decoder
     qkv = prefill.layers[0].qkv
     assert qkv.product_dtype == torch.bfloat16 and qkv.weight.dtype == torch.bfloat16
@@ -390,6 +398,35 @@ def test_on_a_native_bfloat16_cpu_prompts_are_read_with_bfloat16_products_of_the
         assert ours.keys.dtype == torch.float32 and not torch.equal(ours.keys, theirs.keys)
         for mine, exact in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
             assert (mine - exact).norm() < 0.05 * exact.norm()  # measured 0.3 % after one layer, 1.7 % after two
+
+
+@pytest.mark.parametrize(("trees", "prompts"), [("vnni", "vnni8"), ("vnni8", "vnni")])
+def test_prompts_read_by_integer_rows_share_the_trees_weights_and_equal_that_kernels_own_prompts(tmp_path, trees,
+                                                                                                prompts):
+    """``--prompt-kernel vnni8`` where trees are verified by ``vnni`` (and the reverse) reads prompts through a view
+    of the trees' own packed weights (no copy, no expanded bfloat16 copy) with the other row rounding: its keys and
+    values are, bit for bit, those of a runtime that runs that kernel for both."""
+    model, path = _tiny(tmp_path)
+    target = _int4_target(model, path, trees, prompt_kernel=prompts, kv_cache="model")
+    own = _int4_target(model, path, prompts, prompt_kernel=prompts, kv_cache="model")
+    assert target.runtime.describe()["prompt_kernel"] == prompts and own.runtime.prefill_decoder is None
+    for view, layer in zip(target.runtime.prefill_decoder.layers, target.runtime.decoder.layers):
+        for name in ("qkv", "out", "gate_up", "down"):
+            for mine, theirs in zip(getattr(view, name).native, getattr(layer, name).native):
+                assert [t.data_ptr() for t in mine[:4]] == [t.data_ptr() for t in theirs[:4]]
+                assert len(mine) == (5 if prompts == "vnni8" else 4)
+    for ours, theirs in _prompt_cache_layers(target, own):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    same_rows = _int4_target(model, path, trees, prompt_kernel=trees, kv_cache="model")
+    assert same_rows.runtime.prefill_decoder is None
+    assert not all(torch.equal(ours.keys, theirs.keys) for ours, theirs in _prompt_cache_layers(target, same_rows))
+
+
+def test_an_integer_prompt_kernel_is_refused_where_trees_are_verified_by_another_kernel(tmp_path):
+    model, path = _tiny(tmp_path)
+    with pytest.raises(InputError, match="use --int4-kernel vnni or vnni8"):
+        _int4_target(model, path, "compiled", prompt_kernel="vnni8")
+    assert _int4_target(model, path, "compiled").runtime.describe()["prompt_kernel"] == "expanded"
 
 
 def test_int4_verification_of_a_chain_equals_plain_steps_bit_for_bit(tmp_path, kernel):

@@ -45,6 +45,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "llama.cpp's activation precision: half the dot products, trees and batches cheaper; "
                             "never chosen by auto) or auto (the default: the fastest here for each weight form of "
                             "compiled, torch, amx, bf16 and vnni, timed once per machine and kept)")
+    group.add_argument("--prompt-kernel", default="auto", choices=["auto", "expanded", "vnni", "vnni8"],
+                       help="the products that read a prompt on the int4 path: vnni8 (the integer products' weights, "
+                            "rows as one 8-bit code per input: llama.cpp's precision, the fastest on AVX512-VNNI and "
+                            "AVX2 CPUs), vnni (the same, two codes per input: the precision trees are verified at), "
+                            "expanded (the file's weights expanded; bfloat16 products where the CPU has them) or "
+                            "auto (the default: vnni8 or expanded, whichever is faster here, timed once per machine "
+                            "and kept; expanded where trees are verified by another kernel)")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
                             "default), model (the model's dtype) or auto (the default: float16 where the int4 "
@@ -230,7 +237,7 @@ def _model_config(args: argparse.Namespace):
 
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                        runtime=args.runtime, attention=args.attention,
-                       int4_kernel=args.int4_kernel, kv_cache=args.kv_cache)
+                       int4_kernel=args.int4_kernel, kv_cache=args.kv_cache, prompt_kernel=args.prompt_kernel)
 
 
 def _load(args: argparse.Namespace):

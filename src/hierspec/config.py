@@ -150,6 +150,13 @@ class ModelConfig:
             fewer bytes a forward). Meant for draft models, whose weights decide what is proposed, never what is
             output (``--draft-requantize``); a target loaded so is another model, its own plain decoding the
             reference.
+        prompt_kernel: which products read prompts on the int4 path: ``"auto"`` (``"vnni8"`` or ``"expanded"``,
+            whichever is faster here for a prompt-sized block of rows, timed once per machine and kept; ``"expanded"``
+            where trees are verified by a kernel other than ``vnni``/``vnni8``), ``"expanded"`` (the file's weights
+            expanded to float32, their products in bfloat16 where the CPU computes it natively), ``"vnni"`` (the
+            integer products' packed weights, rows as two 8-bit codes an input) or ``"vnni8"`` (the same, rows as
+            one 8-bit code an input: llama.cpp's activation precision, half the dot products). Every method reads the
+            same prompt entries, so each stays lossless against plain decoding.
     """
 
     spec: str | None = None
@@ -163,8 +170,11 @@ class ModelConfig:
     int4_kernel: str = "auto"
     kv_cache: str = "auto"
     requantize: str = "none"
+    prompt_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prompt_kernel not in {"auto", "expanded", "vnni", "vnni8"}:
+            raise InputError(f"unknown prompt kernel {self.prompt_kernel!r}: use auto, expanded, vnni or vnni8")
         if self.requantize not in {"none", "4bit"}:
             raise InputError(f"unknown requantization {self.requantize!r}: use none or 4bit")
         if self.kv_cache not in {"auto", "model", "float16"}:

@@ -278,4 +278,4 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
                          attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache,
-                         requantize=config.requantize)
+                         requantize=config.requantize, prompt_kernel=config.prompt_kernel)

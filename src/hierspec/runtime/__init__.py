@@ -38,6 +38,7 @@ from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
+from hierspec.runtime.prompt_kernel import PROMPT_KERNELS, expanded_product_dtype, resolve_prompt_kernel
 from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
 
@@ -89,6 +90,8 @@ class RuntimeConfig:
             path), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
         requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
             load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
+        prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
+            ``"vnni8"`` (:mod:`~hierspec.runtime.prompt_kernel`).
     """
 
     kind: str = "auto"
@@ -100,6 +103,7 @@ class RuntimeConfig:
     int4_kernel: str = "auto"
     kv_cache: str = "auto"
     requantize: str = "none"
+    prompt_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.requantize not in REQUANTIZE_CHOICES:
@@ -117,6 +121,8 @@ class RuntimeConfig:
             raise InputError(f"unknown int4 kernel {self.int4_kernel!r}: use {', '.join(KERNEL_CHOICES)}")
         if self.attention not in ATTENTIONS:
             raise InputError(f"unknown attention {self.attention!r}: use {', '.join(ATTENTIONS)}")
+        if self.prompt_kernel not in PROMPT_KERNELS:
+            raise InputError(f"unknown prompt kernel {self.prompt_kernel!r}: use {', '.join(PROMPT_KERNELS)}")
 
 
 class Runtime:
@@ -133,19 +139,18 @@ class Runtime:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not onednn.native_bfloat16():
             _warn_emulated_bfloat16()
         self.decoder: LlamaFamilyDecoder | None = None
+        #: the decoder that reads prompts where it is not :attr:`decoder` (:mod:`~hierspec.runtime.prompt_kernel`)
         self.prefill_decoder: LlamaFamilyDecoder | None = None
+        self.prompt_kernel: str | None = None
         self.packing = None
         self.int4_kernel: Int4Kernels | None = None
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
             self.decoder = build_decoder(model, packed=False, quantized=quantized, int4_kernel=self.int4_kernel)
-            # prompts are read through the file's weights expanded (held anyway): on many rows the int4 kernel is
-            # compute-bound and takes twice as long (BENCHMARKS.md, "int4 prefill"). Where the CPU computes
-            # bfloat16 natively, their products run on a bfloat16 copy of the layers' weights, 2.4x faster than
-            # float32 on prompt-sized products (BENCHMARKS.md, "bfloat16 prefill")
-            self.prefill_decoder = build_decoder(model, packed=False, product_dtype=torch.bfloat16 if (
-                self.dtype == torch.float32 and onednn.native_bfloat16()) else None)
+            self.prompt_kernel = resolve_prompt_kernel(self.config.prompt_kernel, self.int4_kernel,
+                                                       torch.get_num_threads())
+            self.prefill_decoder = self._prompt_decoder()
         elif not use_graphs and self.config.decoder == "auto":
             self.decoder = build_decoder(model, packed=packable)
         if packable and self.decoder is None:
@@ -192,6 +197,17 @@ class Runtime:
                 log.info("GGUF weights run dequantized: %s", reason)
         return weights
 
+    def _prompt_decoder(self) -> LlamaFamilyDecoder | None:
+        """How the int4 path reads prompts (:attr:`prompt_kernel`): the file's weights expanded (held anyway by the
+        loaded model; on a bfloat16 copy of the layers' weights where the CPU computes bfloat16), or a view of the
+        integer products' packed weights with rows as one or two 8-bit codes an input; ``None``: :attr:`decoder`
+        itself, whose rows already are."""
+        if self.prompt_kernel == "expanded":
+            return build_decoder(self.model, packed=False, product_dtype=expanded_product_dtype(self.dtype))
+        if self.prompt_kernel == self.int4_kernel.four_bit:
+            return None
+        return self.decoder.with_row_codes(one_code=self.prompt_kernel == "vnni8")
+
     def _int4_reason(self) -> str | None:
         if self.config.gguf is None:
             return "the model was not loaded from a GGUF file"
@@ -235,6 +251,7 @@ class Runtime:
                 "attention": "exact" if self.exact else "sdpa",
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
+                "prompt_kernel": self.prompt_kernel,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}

@@ -16,9 +16,10 @@ sequence length, non-SiLU activations); the runtime then runs transformers' modu
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +181,19 @@ class LlamaFamilyDecoder:
         self._fused = Int4Layers.for_decoder(self) if compiled else None
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
         self._activation = self._fused.activation if self._fused is not None else _silu_product
+
+    def with_row_codes(self, one_code: bool) -> LlamaFamilyDecoder:
+        """This int4 decoder with its layers' integer (VNNI) products taking rows as one 8-bit code an input or as
+        two (:meth:`~hierspec.runtime.quantized.Int4Projection.with_row_codes`): the same packed weights, embedding
+        and norms, shared. Its head is this decoder's (the view reads prompts, whose logits are never computed)."""
+        if self._fused is None:
+            raise ValueError("rows as integer codes need the int4 path's compiled layers")
+        view = copy.copy(self)
+        view.layers = [replace(layer, **{name: getattr(layer, name).with_row_codes(one_code)
+                                         for name in ("qkv", "out", "gate_up", "down")}) for layer in self.layers]
+        view._fused = self._fused.for_view(view)
+        view._norm, view._activation = view._fused.norm, view._fused.activation
+        return view
 
     def head_over(self, tokens: torch.Tensor) -> Projection | _FirstColumns:
         """A head computing only the logits of ``tokens`` (int64 ids), in their order: the output embedding's rows
@@ -433,6 +447,11 @@ class Int4Layers:
             log.info("int4 layers run operation by operation: %s", reason or "biased output or MLP projections")
             return None
         return cls(module, decoder)
+
+    def for_view(self, decoder: LlamaFamilyDecoder) -> Int4Layers:
+        """The same compiled halves for another view of this decoder's weights (:meth:`LlamaFamilyDecoder.
+        with_row_codes`)."""
+        return Int4Layers(self._module, decoder)
 
     def norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The RMS norm of each row (the compiled one, the int4 path's on every call)."""

@@ -34,6 +34,7 @@ files run dequantized, with the reason logged.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import json
@@ -41,7 +42,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -383,6 +384,17 @@ class Int4Projection:
                        if isinstance(stack, int4_kernel.PackedVnni)
                        else [stack.codes, stack.scales, stack.bias] if isinstance(stack, _COMPILED_LAYOUTS)
                        else [tensor for packed in stack for tensor in packed] for stack in self.stacks]
+
+    def with_row_codes(self, one_code: bool) -> Int4Projection:
+        """This projection with every integer (VNNI) stack taking its rows as one 8-bit code an input (``vnni8``'s
+        products) or as two (``vnni``'s): the same packed weights, shared, not copied; other stacks unchanged."""
+        view = copy.copy(self)
+        view.stacks = [replace(stack, one_code=one_code) if isinstance(stack, int4_kernel.PackedVnni) else stack
+                       for stack in self.stacks]
+        view.native = [tensors[:4] + ([torch.empty(0)] if one_code else [])
+                       if isinstance(stack, int4_kernel.PackedVnni) else tensors
+                       for stack, tensors in zip(self.stacks, self.native)]
+        return view
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         if len(self.stacks) == 1:

@@ -1,0 +1,105 @@
+"""Which products read prompts on the int4 path (``--prompt-kernel``): the choice, its file, its refusals."""
+
+import json
+import logging
+
+import pytest
+
+from hierspec.config import ModelConfig
+from hierspec.errors import InputError
+from hierspec.runtime import RuntimeConfig, int4_kernel
+from hierspec.runtime import prompt_kernel as pk
+from hierspec.runtime.quantized import Int4Kernels
+
+VNNI = Int4Kernels("vnni", "vnni")
+
+
+@pytest.fixture
+def choice_file(tmp_path, monkeypatch):
+    """The automatic choice kept in a private file, and forgotten by the process before and after the test."""
+    path = tmp_path / "kernels" / "prompt-choice-t2.json"
+    monkeypatch.setattr(pk, "prompt_choice_path", lambda threads: path)
+    pk.timed_prompt_choice.cache_clear()
+    yield path
+    pk.timed_prompt_choice.cache_clear()
+
+
+def test_the_faster_prompt_products_are_chosen_and_the_expanded_ones_on_a_tie():
+    assert pk.choose_prompt_kernel({"expanded": 2.0e-3, "vnni8": 1.2e-3}) == "vnni8"
+    assert pk.choose_prompt_kernel({"expanded": 1.0e-3, "vnni8": 1.5e-3}) == "expanded"
+    assert pk.choose_prompt_kernel({"vnni8": 1.0e-3, "expanded": 1.0e-3}) == "expanded"
+
+
+def test_auto_is_timed_once_per_machine_kept_and_read_back(choice_file, monkeypatch):
+    timings = []
+    monkeypatch.setattr(pk, "time_prompt_products",
+                        lambda: timings.append(1) or {"expanded": 3.0e-3, "vnni8": 1.0e-3})
+    assert pk.resolve_prompt_kernel("auto", VNNI, threads=2) == "vnni8"
+    assert pk.resolve_prompt_kernel("auto", VNNI, threads=2) == "vnni8"
+    assert timings == [1]
+    kept = json.loads(choice_file.read_text(encoding="utf-8"))
+    assert kept["version"] == pk.CHOICE_VERSION and kept["prompt_kernel"] == "vnni8"
+    assert kept["seconds"] == {"expanded": 3.0e-3, "vnni8": 1.0e-3} and kept["rows"] == pk.PROMPT_ROWS
+
+    pk.timed_prompt_choice.cache_clear()  # another process on the same machine reads the file, times nothing
+    monkeypatch.setattr(pk, "time_prompt_products", lambda: pytest.fail("timed again"))
+    assert pk.resolve_prompt_kernel("auto", Int4Kernels("vnni8", "vnni8"), threads=2) == "vnni8"
+
+
+@pytest.mark.parametrize("kept", ["{not json", '{"version": 0, "prompt_kernel": "vnni8"}',
+                                  '{"version": 1, "prompt_kernel": "fast"}', "[]"])
+def test_a_choice_file_that_cannot_be_read_is_timed_again_and_rewritten(choice_file, monkeypatch, kept):
+    choice_file.parent.mkdir(parents=True)
+    choice_file.write_text(kept, encoding="utf-8")
+    monkeypatch.setattr(pk, "time_prompt_products", lambda: {"expanded": 1.0e-3, "vnni8": 2.0e-3})
+    assert pk.resolve_prompt_kernel("auto", VNNI, threads=2) == "expanded"
+    assert json.loads(choice_file.read_text(encoding="utf-8"))["prompt_kernel"] == "expanded"
+
+
+def test_a_choice_that_cannot_be_kept_is_still_used_and_said_once(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory", encoding="utf-8")
+    monkeypatch.setattr(pk, "prompt_choice_path", lambda threads: blocker / "prompt-choice-t2.json")
+    monkeypatch.setattr(pk, "time_prompt_products", lambda: {"expanded": 3.0e-3, "vnni8": 1.0e-3})
+    pk.timed_prompt_choice.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=pk.__name__):
+            assert pk.resolve_prompt_kernel("auto", VNNI, threads=2) == "vnni8"
+    finally:
+        pk.timed_prompt_choice.cache_clear()
+    assert "cannot be kept" in caplog.text and "timed again at the next load" in caplog.text
+
+
+@pytest.mark.parametrize("kernel", ["torch", "compiled", "amx", "bf16"])
+def test_prompts_are_read_expanded_where_trees_run_another_kernel_and_integer_prompts_are_refused_there(
+        monkeypatch, kernel):
+    monkeypatch.setattr(pk, "timed_prompt_choice", lambda threads: pytest.fail("timed"))
+    kernels = Int4Kernels(kernel, kernel)
+    assert pk.resolve_prompt_kernel("auto", kernels, threads=2) == "expanded"
+    assert pk.resolve_prompt_kernel("expanded", kernels, threads=2) == "expanded"
+    for integer in ("vnni", "vnni8"):
+        with pytest.raises(InputError, match=f"the {kernel} kernel: use --int4-kernel vnni or vnni8"):
+            pk.resolve_prompt_kernel(integer, kernels, threads=2)
+
+
+def test_an_explicit_prompt_kernel_is_kept_without_timing(monkeypatch):
+    monkeypatch.setattr(pk, "timed_prompt_choice", lambda threads: pytest.fail("timed"))
+    for choice in ("expanded", "vnni", "vnni8"):
+        assert pk.resolve_prompt_kernel(choice, VNNI, threads=2) == choice
+        assert pk.resolve_prompt_kernel(choice, Int4Kernels("vnni8", "vnni8"), threads=2) == choice
+
+
+def test_unknown_prompt_kernels_are_refused_by_every_config():
+    for make in (RuntimeConfig, ModelConfig):
+        with pytest.raises(InputError, match="unknown prompt kernel 'fast'"):
+            make(prompt_kernel="fast")
+    with pytest.raises(InputError, match="unknown prompt kernel"):
+        pk.resolve_prompt_kernel("fast", VNNI, threads=2)
+
+
+def test_both_prompt_products_are_timed_on_a_prompt_sized_block_of_rows():
+    reason = int4_kernel.vnni8_reason()
+    if reason:
+        pytest.skip(reason)
+    seconds = pk.time_prompt_products(repeats=1)
+    assert set(seconds) == {"expanded", "vnni8"} and all(0 < t < 10 for t in seconds.values())
