@@ -90,6 +90,29 @@ def test_dense_retrieval_figures_and_report(tmp_path):
     assert "| dense | 6 | 16.7% | 1.00 |" in (tmp_path / "report.md").read_text()
 
 
+def test_the_share_of_time_spent_reading_prompts_is_summed_over_turns_and_reported(tmp_path):
+    """Prompt time: the prefill seconds over the wall time, turns added up; n/a for a peer that does not say."""
+    from hierspec.bench.metrics import merge_turns
+    from hierspec.bench.report import write_report
+
+    question = _q(1, "qa")
+    ar, hd, peer = MethodRecord("ar"), MethodRecord("hd"), MethodRecord("hf-ar")
+    ar.add(question, QuestionRun([1] * 4, "", 2.0, [1] * 4, prefill_time=0.5))
+    turns = [QuestionRun([1] * 2, "", 0.5, [2], prefill_time=0.25), QuestionRun([1] * 2, "", 0.5, [2],
+                                                                                  prefill_time=0.05)]
+    hd.add(question, merge_turns(turns, [[1], [2]]))
+    peer.add(question, QuestionRun([1] * 4, "", 4.0, [1] * 4))
+    summary = summarize({"ar": ar, "hd": hd, "hf-ar": peer}, "ar", model_name="m", max_new_tokens=4)
+    shares = {label: m["prefill_time_share"] for label, m in summary["methods"].items()}
+    assert shares == {"ar": pytest.approx(0.25), "hd": pytest.approx(0.3), "hf-ar": 0.0}
+    write_report(tmp_path / "report.md", summary)
+    rows = {}  # the overall table's rows (the first row of each method in the report)
+    for line in (tmp_path / "report.md").read_text().splitlines():
+        if line.startswith("| "):
+            rows.setdefault(line.split(" | ")[0], line.split(" | "))
+    assert rows["| hd"][-2] == "30.0%" and rows["| ar"][-2] == "25.0%" and rows["| hf-ar"][-2] == "n/a"
+
+
 def test_question_loading_and_selection(tmp_path):
     path = tmp_path / "q.jsonl"
     rows = [{"question_id": i, "category": c, "turns": [f"t{i}", "second"]}
@@ -150,12 +173,14 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
     assert "## Draft-model levels" in (out / "report.md").read_text()
     assert summary["divergences"] == []
     assert "None: every method produced `ar`'s tokens on every question." in (out / "report.md").read_text()
-    # transformers' prompt lookup reports no forwards: its forward-based figures read n/a, not 0
+    # transformers' prompt lookup reports no forwards and no prompt time: those figures read n/a, not 0
     hf_pld_rows = [line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-pld |")]
-    assert hf_pld_rows[0].count("n/a") == 6 and hf_pld_rows[0].endswith("| 1.00 |")
+    assert hf_pld_rows[0].count("n/a") == 7 and hf_pld_rows[0].endswith("| n/a | 1.00 |")
+    pld_row = next(line for line in (out / "report.md").read_text().splitlines() if line.startswith("| pld |"))
+    assert pld_row.count("n/a") == 0 and summary["methods"]["pld"]["prefill_time_share"] > 0
     assert hf_pld_rows[2] == "| hf-pld | n/a | n/a |"  # MAT per task (mt_bench, translation)
     hf_ar_row = next(line for line in (out / "report.md").read_text().splitlines() if line.startswith("| hf-ar |"))
-    assert "n/a" not in hf_ar_row
+    assert hf_ar_row.count("n/a") == 1 and hf_ar_row.endswith("| n/a | 1.00 |")  # every figure but prompt time
 
 
 def test_bench_sampling_run_records_its_settings(tmp_path, model_dir):

@@ -22,6 +22,8 @@ class QuestionRun:
     accepted: int = 0
     draft_time: float = 0.0
     verify_time: float = 0.0
+    #: seconds spent reading the prompt before the first step (0.0 where a peer does not say)
+    prefill_time: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     drafted_by_source: dict[str, int] = field(default_factory=dict)
     won_by_source: dict[str, int] = field(default_factory=dict)
@@ -51,6 +53,7 @@ def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRu
         wall_time=sum(r.wall_time for r in runs), accept_lengths=[n for r in runs for n in r.accept_lengths],
         drafted=sum(r.drafted for r in runs), accepted=sum(r.accepted for r in runs),
         draft_time=sum(r.draft_time for r in runs), verify_time=sum(r.verify_time for r in runs),
+        prefill_time=sum(r.prefill_time for r in runs),
         accepted_by_source=_sum_dicts(r.accepted_by_source for r in runs),
         drafted_by_source=_sum_dicts(r.drafted_by_source for r in runs),
         won_by_source=_sum_dicts(r.won_by_source for r in runs), drafter_report=report,
@@ -128,6 +131,7 @@ def aggregate(runs: list[QuestionRun]) -> dict:
         "nothing_accepted": sum(n <= 1 for r in runs for n in r.accept_lengths) / forwards if forwards else 0.0,
         "draft_time_share": sum(r.draft_time for r in runs) / wall if wall > 0 else 0.0,
         "verify_time_share": sum(r.verify_time for r in runs) / wall if wall > 0 else 0.0,
+        "prefill_time_share": sum(r.prefill_time for r in runs) / wall if wall > 0 else 0.0,
         "per_source": per_source(runs, forwards),
         **({"levels": levels(runs)} if any("windows" in r.drafter_report or "first_drafted" in r.drafter_report
                                            for r in runs) else {}),

@@ -64,10 +64,12 @@ def write_report(path: Path, summary: dict) -> None:
         f"{summary['max_new_tokens']} new tokens, {_decoding(summary)}. Speedup = tokens/s over "
         f"`{summary['baseline']}` in this run. σ = 1 − accepted/drafted (redundancy), η = target forwards per "
         "output token (target utilisation). Nothing accepted = share of target forwards that added only the "
-        "target's own token.",
+        "target's own token. Prompt time = share of the wall time spent reading prompts (n/a where a peer does not "
+        "say).",
         "",
-        "| method | tokens/s | speedup | MAT | acceptance | nothing accepted | σ | η | draft time | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | tokens/s | speedup | MAT | acceptance | nothing accepted | σ | η | draft time | prompt time | "
+        "identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, m in methods.items():
         known = forwards_known(m)
@@ -76,6 +78,7 @@ def write_report(path: Path, summary: dict) -> None:
             f"{_cell(100 * m['acceptance_rate'], known, '.1f', '%')} | "
             f"{_cell(100 * m.get('nothing_accepted', 0.0), known, '.1f', '%')} | {_cell(m.get('sigma', 0.0), known, '.2f')} | "
             f"{_cell(m.get('eta', 0.0), known, '.2f')} | {_cell(100 * m['draft_time_share'], known, '.1f', '%')} | "
+            f"{_cell(100 * m.get('prefill_time_share', 0.0), m.get('prefill_time_share', 0.0) > 0, '.1f', '%')} | "
             f"{m['identical_to_ar']:.2f} |"
         )
     if any(label in methods for label in ("llamacpp-ar", "llamacpp-pld")):

@@ -102,7 +102,7 @@ class HierspecRunner:
         return QuestionRun(
             token_ids=result.token_ids, text=result.text, wall_time=s.total_time, accept_lengths=s.accept_lengths,
             drafted=s.drafted_tokens, accepted=s.accepted_drafts, draft_time=s.draft_time, verify_time=s.verify_time,
-            accepted_by_source=s.accepted_by_source, drafted_by_source=s.drafted_by_source,
+            prefill_time=s.prefill_time, accepted_by_source=s.accepted_by_source, drafted_by_source=s.drafted_by_source,
             won_by_source=s.won_by_source, drafter_report=s.drafter,
         )
 
