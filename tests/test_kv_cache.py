@@ -88,8 +88,12 @@ def test_a_float16_cache_stores_entries_rounded_and_refuses_ones_beyond_its_rang
     held_keys, held_values = cache.layers[0].update(keys, values)
     assert held_keys.dtype == torch.float16 and torch.equal(held_keys, keys.half())
     assert torch.equal(held_values, values.half())
-    with pytest.raises(InputError, match="--kv-cache model"):
-        cache.layers[0].update(keys * 1e5, values)
+    for bad in (keys * 1e5, keys.masked_fill(keys > 0, float("nan")), keys.masked_fill(keys < 0, -float("inf"))):
+        with pytest.raises(InputError, match="--kv-cache model"):
+            cache.layers[0].update(values, bad)
+        assert cache.layers[0].get_seq_length() == 3 and torch.equal(cache.layers[0].keys, keys.half())  # untouched
+    edge = torch.full((1, 2, 1, 4), 65504.0)  # float16's largest value is stored as it is
+    assert torch.equal(cache.layers[0].update(edge, -edge)[0][:, :, 3:4], edge.half())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
