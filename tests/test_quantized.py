@@ -422,6 +422,23 @@ def test_prompts_read_by_integer_rows_share_the_trees_weights_and_equal_that_ker
     assert not all(torch.equal(ours.keys, theirs.keys) for ours, theirs in _prompt_cache_layers(target, same_rows))
 
 
+def test_store_hidden_states_on_the_int4_path_are_each_rows_prompt_read_alone(tmp_path):
+    """Stores (dense, head) are built from the hidden states the int4 runtime gives a prompt: each row of a
+    right-padded batch read alone (zeros after its mask), its last state the prefill's own, every state close to
+    the float32 expansion's transformers forward."""
+    model, path = _tiny(tmp_path)
+    target = _int4_target(model, path, kv_cache="model")
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5], [7, 8, 9, 0, 0, 0]])
+    states = target.hidden_states(ids, torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]))
+    assert states.shape == (2, 6, model.config.hidden_size) and not states[1, 3:].any()
+    for row, count in ((0, 6), (1, 3)):
+        last = target.prefill(target.new_cache(), ids[row, :count].tolist(), want_hidden=True)
+        assert torch.equal(states[row, count - 1], last)
+    expected = _float32_copy(model).hidden_states(ids[:1])[0]
+    assert (states[0] - expected).norm() < 0.05 * expected.norm()
+    assert torch.equal(target.hidden_states(ids[:1])[0], states[0])  # no mask: the whole row
+
+
 def test_an_integer_prompt_kernel_is_refused_where_trees_are_verified_by_another_kernel(tmp_path):
     model, path = _tiny(tmp_path)
     with pytest.raises(InputError, match="use --int4-kernel vnni or vnni8"):

@@ -162,7 +162,12 @@ class TargetModel:
 
     @torch.inference_mode()
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Last hidden states ``[batch, length, hidden]`` of a batch of sequences (no cache), for building stores."""
+        """Last hidden states ``[batch, length, hidden]`` of a batch of right-padded sequences, for building stores:
+        on the int4 path through the runtime's own prompt reading (:meth:`~hierspec.runtime.Runtime.hidden_states`:
+        the int4 model's states, which drafters read at inference, not the float32 expansion's; several times
+        faster), else transformers' forward (no cache)."""
+        if getattr(self.runtime, "kind", None) == "int4":
+            return self.runtime.hidden_states(input_ids, attention_mask)
         out = self.model(input_ids=input_ids.to(self.device), attention_mask=None if attention_mask is None
                          else attention_mask.to(self.device), use_cache=False, output_hidden_states=True,
                          logits_to_keep=1)

@@ -398,6 +398,30 @@ class Runtime:
         bounds = np.cumsum([0] + [tree.size for tree in trees])
         return [(logits[a:b], None if hidden is None else hidden[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last hidden states (after the final norm) ``[batch, length, hidden]`` of sequences read as prompts, for
+        building stores: each row's tokens where ``attention_mask`` is 1 (a prefix of the row; zeros after it), on a
+        cache of its own through the decoder that reads prompts. Only where the runtime has its own decoder on the
+        CPU (:attr:`batches`); the int4 path then reads them several times faster than transformers' float32 modules
+        (Qwen2.5-Coder-1.5B: ~30 ms a token there)."""
+        if not self.batches:
+            raise ValueError("hidden states through the runtime need its own decoder on the CPU")
+        decoder = self.prefill_decoder or self.decoder
+        lengths = (attention_mask.sum(dim=1) if attention_mask is not None
+                   else torch.full((input_ids.shape[0],), input_ids.shape[1])).tolist()
+        out = self.decoder.embedding.new_zeros((*input_ids.shape, self.decoder.embedding.shape[1]))
+        for row, count in enumerate(int(n) for n in lengths):
+            if count == 0:
+                continue
+            cache = self.eager_cache(count)
+            ids = input_ids[row : row + 1, :count].to(self.device)
+            with cache.aligned(1):
+                _, hidden = decoder.forward(ids, torch.arange(count, device=self.device)[None], None, cache,
+                                            slice(0, count), want_hidden=True, want_logits=False)
+            out[row, :count] = hidden
+        return out
+
     def _owned_prefill(self, cache: TreeCache, input_ids: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
         """Causal forward of the prompt through the owned decoder (only its last row's outputs are computed); keys
         unaligned, as transformers' own prefill attends them."""
