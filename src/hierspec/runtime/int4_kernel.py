@@ -564,10 +564,10 @@ def choose_kernel(timings: Mapping[str, Sequence[float]]) -> str:
 
 
 def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], in_features: int,
-                 repeats: int = 20) -> dict[str, list[float]]:
-    """Median seconds of each product at each of :data:`CHOICE_ROWS`, the kernels interleaved."""
-    samples: dict[str, list[list[float]]] = {name: [[] for _ in CHOICE_ROWS] for name in products}
-    inputs = [torch.randn(rows, in_features) for rows in CHOICE_ROWS]
+                 repeats: int = 20, row_counts: Sequence[int] = CHOICE_ROWS) -> dict[str, list[float]]:
+    """Median seconds of each product at each of ``row_counts`` (:data:`CHOICE_ROWS`), the kernels interleaved."""
+    samples: dict[str, list[list[float]]] = {name: [[] for _ in row_counts] for name in products}
+    inputs = [torch.randn(rows, in_features) for rows in row_counts]
     for _ in range(repeats):
         for name, product in products.items():
             for i, rows in enumerate(inputs):
@@ -585,25 +585,33 @@ def choice_path(threads: int) -> Path:
 def read_choice(path: Path) -> tuple[str, str] | None:
     """The kernels a choice file names for 4-bit and 8-bit weights, or ``None`` when there is none or it cannot be
     read (they are then timed again)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        chosen = (data.get("four_bit"), data.get("eight_bit"))
-        version = data.get("version")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return chosen if version == CHOICE_VERSION and all(name in KERNELS for name in chosen) else None
+    data = read_kept_choice(path, CHOICE_VERSION)
+    chosen = None if data is None else (data.get("four_bit"), data.get("eight_bit"))
+    return chosen if chosen is not None and all(name in KERNELS for name in chosen) else None
 
 
 def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]]
                  ) -> None:
-    """Keep the automatic choice (with the timings behind it, per form); a disk that refuses the write only costs a
-    timing at the next load."""
+    """Keep the automatic choice (with the timings behind it, per form)."""
+    seconds = {form: {name: list(times) for name, times in per.items()} for form, per in timings.items()}
+    keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
+                       "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds}, "int4 kernel choice")
+
+
+def read_kept_choice(path: Path, version: int) -> dict | None:
+    """A kept choice file's contents when it reads as a JSON object of ``version``, else ``None`` (timed again)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return data if data.get("version") == version else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def keep_choice(path: Path, data: dict, what: str) -> None:
+    """Write a choice file atomically beside the kernel; a disk that refuses the write only costs a timing at the
+    next load (said once, naming ``what``)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
-                                 "rows": list(CHOICE_ROWS),
-                                 "shape": list(CHOICE_SHAPE),
-                                 "seconds": {form: {name: list(times) for name, times in per.items()}
-                                             for form, per in timings.items()}})
+        write_json_atomic(path, data)
     except OSError as exc:
-        log.warning("the int4 kernel choice cannot be kept in %s (%s); it is timed again at the next load", path, exc)
+        log.warning("the %s cannot be kept in %s (%s); it is timed again at the next load", what, path, exc)

@@ -19,9 +19,7 @@ are read expanded. What the choice changes is measured in BENCHMARKS.md ("Twenty
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -30,15 +28,12 @@ from torch import nn
 from hierspec.errors import InputError
 from hierspec.runtime import int4_kernel, onednn
 from hierspec.runtime.decoder import Projection
-from hierspec.runtime.quantized import GROUP, Int4Kernels, Int4Projection, Int4Weight
-from hierspec.storage import write_json_atomic
+from hierspec.runtime.quantized import GROUP, INTEGER_KERNELS, Int4Kernels, Int4Projection, Int4Weight
 
 log = logging.getLogger(__name__)
 
 #: ``RuntimeConfig.prompt_kernel`` values
 PROMPT_KERNELS = ("auto", "expanded", "vnni", "vnni8")
-#: the int4 kernels whose packed weights the integer prompt products share
-INTEGER_KERNELS = ("vnni", "vnni8")
 #: rows the automatic choice times (a short prompt)
 PROMPT_ROWS = 128
 #: 1: the first choice file
@@ -83,24 +78,16 @@ def timed_prompt_choice(threads: int) -> str:
     chosen = choose_prompt_kernel(seconds)
     log.info("prompts read by the %s products (ms for %d rows: %s)", chosen, PROMPT_ROWS,
              ", ".join(f"{name} {t * 1e3:.2f}" for name, t in seconds.items()))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
-                                 "shape": list(int4_kernel.CHOICE_SHAPE), "seconds": seconds})
-    except OSError as exc:
-        log.warning("the prompt kernel choice cannot be kept in %s (%s); it is timed again at the next load", path,
-                    exc)
+    int4_kernel.keep_choice(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
+                            "shape": list(int4_kernel.CHOICE_SHAPE), "seconds": seconds}, "prompt kernel choice")
     return chosen
 
 
 def read_prompt_choice(path: Path) -> str | None:
     """The prompt kernel a choice file names, or ``None`` when there is none or it cannot be read (timed again)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        chosen, version = data.get("prompt_kernel"), data.get("version")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return chosen if version == CHOICE_VERSION and chosen in ("expanded", "vnni8") else None
+    data = int4_kernel.read_kept_choice(path, CHOICE_VERSION)
+    chosen = None if data is None else data.get("prompt_kernel")
+    return chosen if chosen in ("expanded", "vnni8") else None
 
 
 def choose_prompt_kernel(seconds: dict[str, float]) -> str:
@@ -114,7 +101,7 @@ def choose_prompt_kernel(seconds: dict[str, float]) -> str:
 def time_prompt_products(repeats: int = 9) -> dict[str, float]:
     """Median seconds of one product of :data:`PROMPT_ROWS` rows by a random 4-bit weight of
     :data:`~hierspec.runtime.int4_kernel.CHOICE_SHAPE`, expanded (as :func:`expanded_product_dtype` runs it) and as
-    one-code integer products, interleaved."""
+    one-code integer products, interleaved (:func:`~hierspec.runtime.int4_kernel.time_kernels`)."""
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = int4_kernel.CHOICE_SHAPE
     groups = (out_features, in_features // GROUP)
@@ -122,15 +109,8 @@ def time_prompt_products(repeats: int = 9) -> dict[str, float]:
                         torch.rand(groups, generator=generator) / 16, torch.rand(groups, generator=generator) - 0.5)
     linear = nn.Linear(in_features, out_features, bias=False)
     linear.weight.data = weight.dequantize()
-    products = {"expanded": Projection([linear], packed=False,
-                                       product_dtype=expanded_product_dtype(torch.float32)),
+    products = {"expanded": Projection([linear], packed=False, product_dtype=expanded_product_dtype(torch.float32)),
                 "vnni8": Int4Projection([[weight]], [None], kernel="vnni8")}
-    rows = torch.randn(PROMPT_ROWS, in_features, generator=generator)
-    samples: dict[str, list[float]] = {name: [] for name in products}
     with torch.inference_mode():
-        for _ in range(repeats):
-            for name, product in products.items():
-                start = time.perf_counter()
-                product(rows)
-                samples[name].append(time.perf_counter() - start)
-    return {name: sorted(times)[len(times) // 2] for name, times in samples.items()}
+        seconds = int4_kernel.time_kernels(products, in_features, repeats, row_counts=(PROMPT_ROWS,))
+    return {name: times[0] for name, times in seconds.items()}

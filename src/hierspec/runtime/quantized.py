@@ -344,7 +344,7 @@ _EIGHT_BIT_PACKS = {"compiled": int4_kernel.PackedInt8, "amx": int4_kernel.pack_
                     "bf16": int4_kernel.pack_bf16_int8, "vnni": int4_kernel.pack_vnni_int8,
                     "vnni8": functools.partial(int4_kernel.pack_vnni_int8, one_code=True)}
 #: the integer products' kernels (they take K-quant scale factors as the file holds them)
-_INTEGER_KERNELS = ("vnni", "vnni8")
+INTEGER_KERNELS = ("vnni", "vnni8")
 _COMPILED_LAYOUTS = (int4_kernel.PackedInt4, int4_kernel.PackedInt8, int4_kernel.PackedAmx, int4_kernel.PackedBf16,
                      int4_kernel.PackedVnni)
 
@@ -412,7 +412,7 @@ def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
     """One stack of members with equal pass counts, in ``kernel``'s layout (the AVX512-VNNI one with K-quant weights'
     scale factors where every member has them: fewer bytes a forward for the same weights)."""
     depth = len(members[0])
-    factors = _stacked_factors([passes[0].factors for passes in members]) if kernel in _INTEGER_KERNELS else None
+    factors = _stacked_factors([passes[0].factors for passes in members]) if kernel in INTEGER_KERNELS else None
     one_code = kernel == "vnni8"
     if kernel != "torch" and depth > 1:
         forms = [as_int8(member) for member in members]
