@@ -407,24 +407,26 @@ class Runtime:
         (Qwen2.5-Coder-1.5B: ~30 ms a token there)."""
         if not self.batches:
             raise ValueError("hidden states through the runtime need its own decoder on the CPU")
-        decoder = self.prefill_decoder or self.decoder
         lengths = (attention_mask.sum(dim=1) if attention_mask is not None
                    else torch.full((input_ids.shape[0],), input_ids.shape[1])).tolist()
         out = self.decoder.embedding.new_zeros((*input_ids.shape, self.decoder.embedding.shape[1]))
         for row, count in enumerate(int(n) for n in lengths):
-            if count == 0:
-                continue
-            cache = self.eager_cache(count)
-            ids = input_ids[row : row + 1, :count].to(self.device)
-            with cache.aligned(1):
-                _, hidden = decoder.forward(ids, torch.arange(count, device=self.device)[None], None, cache,
-                                            slice(0, count), want_hidden=True, want_logits=False)
-            out[row, :count] = hidden
+            if count:
+                ids = input_ids[row : row + 1, :count].to(self.device)
+                out[row, :count] = self._read_prompt(self.eager_cache(count), ids, slice(0, count), want_hidden=True)
         return out
 
     def _owned_prefill(self, cache: TreeCache, input_ids: torch.Tensor, want_hidden: bool) -> torch.Tensor | None:
-        """Causal forward of the prompt through the owned decoder (only its last row's outputs are computed); keys
-        unaligned, as transformers' own prefill attends them."""
+        """Causal forward of the prompt through the owned decoder (only its last row's outputs are computed)."""
+        count = input_ids.shape[-1]
+        hidden = self._read_prompt(cache, input_ids, slice(count - 1, count), want_hidden)
+        return hidden[-1] if want_hidden else None
+
+    def _read_prompt(self, cache: TreeCache, input_ids: torch.Tensor, keep: slice, want_hidden: bool
+                     ) -> torch.Tensor | None:
+        """The prompt ``input_ids`` ``[1, count]`` read onto ``cache`` by the decoder that reads prompts; the
+        hidden states of the rows ``keep`` selects (with ``want_hidden``). Keys unaligned, as transformers' own
+        prefill attends them."""
         past, count = cache.get_seq_length(), input_ids.shape[-1]
         positions = torch.arange(past, past + count, device=self.device)
         # on an empty cache the prompt is attended causally without a mask (the decoder's one-call causal path)
@@ -432,9 +434,8 @@ class Runtime:
                                        )[None, None]
         decoder = self.prefill_decoder or self.decoder
         with cache.aligned(1):
-            _, hidden = decoder.forward(input_ids, positions[None], mask, cache, slice(count - 1, count), want_hidden,
-                                        want_logits=False)
-        return hidden[-1] if want_hidden else None
+            _, hidden = decoder.forward(input_ids, positions[None], mask, cache, keep, want_hidden, want_logits=False)
+        return hidden
 
     @contextlib.contextmanager
     def stock(self) -> Iterator[None]:
