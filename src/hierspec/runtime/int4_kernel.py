@@ -595,7 +595,8 @@ def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str
     """Keep the automatic choice (with the timings behind it, per form)."""
     seconds = {form: {name: list(times) for name, times in per.items()} for form, per in timings.items()}
     keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
-                       "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds}, "int4 kernel choice")
+                       "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds},
+                "int4 kernel choice")
 
 
 def read_kept_choice(path: Path, version: int) -> dict | None:
