@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 import hierspec
 from hierspec.batching import BatchConfig, BatchScheduler
@@ -27,6 +28,11 @@ from hierspec.bench.questions import load_questions, select_questions
 from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.machine import cpu_info
 from hierspec.methods import DrafterContext, make_drafter
+
+
+def device_name(device) -> str:
+    """The accelerator's name (``cpu`` on the CPU)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def run_level(model, context, method: str, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
@@ -62,10 +68,14 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"])
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--runtime", default="auto", choices=["auto", "int4", "packed", "graphs", "eager"],
+                        help="CUDA graphs verify one request at a time: on CUDA, batching needs eager")
     parser.add_argument("--out", default="bench-out/batch")
     args = parser.parse_args()
 
-    model = hierspec.load_model(args.model, ModelConfig(dtype=args.dtype, kv_cache=args.kv_cache))
+    model = hierspec.load_model(args.model, ModelConfig(dtype=args.dtype, kv_cache=args.kv_cache, device=args.device,
+                                                         runtime=args.runtime))
     context = DrafterContext(model)
     questions = select_questions(load_questions(args.questions), args.per_category, args.limit)
     prompts = [model.encode_prompt(q.turns[0], raw=q.raw) for q in questions]
@@ -89,11 +99,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_info().describe()
-    report = {"cpu": cpu, "model": model.name, "runtime": model.runtime.describe(), "args": vars(args),
+    report = {"cpu": cpu, "device": device_name(model.device), "model": model.name,
+              "runtime": model.runtime.describe(), "args": vars(args),
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "batch.json").write_text(json.dumps(report, indent=1))
     base = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
-    lines = [f"CPU: {cpu}; model {model.name}, runtime {model.runtime.kind}, KV cache "
+    where = f"CPU: {cpu}" if model.device.type == "cpu" else f"device {device_name(model.device)}; host CPU: {cpu}"
+    lines = [f"{where}; model {model.name}, runtime {model.runtime.kind}, KV cache "
              f"{model.runtime.describe()['kv_cache']}; {len(prompts)} dev questions, "
              f"{args.max_new_tokens} new tokens, greedy", "",
              "| method | concurrent | tokens/s | x one request | latency p50 s | p95 s | TTFT p50 s | MAT | "

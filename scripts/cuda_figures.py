@@ -3,6 +3,7 @@ initialised models shaped like SmolLM2-135M and Qwen2.5-1.5B, on the CUDA-graph 
 batch invariance (does a row's logits depend on the bucket it is verified in?) for any model given with --model.
 
     python scripts/cuda_figures.py --out figures.json [--model PATH_OR_GGUF] [--repeats 20]
+    python scripts/cuda_figures.py --out probe.json --probe   # only: where bfloat16 rows depend on the row count
 
 Random weights give the same cost as real ones (the same shapes and kernels), not meaningful text: acceptance and
 speedups of drafting methods come from `hierspec bench` on real weights.
@@ -97,13 +98,52 @@ def chain_against_steps(target: TargetModel, prompt: list[int], chain: list[int]
             "argmax_equal": bool(torch.equal(together.argmax(-1), steps.argmax(-1)))}
 
 
+def padding_probe(dtype: torch.dtype, runtime: str, min_rows: int | None) -> dict:
+    """Chains of every length verified in one forward of a random SmolLM2-shaped model against the same tokens
+    decoded one forward at a time, with every forward padded to at least ``min_rows`` rows (``None``: the runtime's
+    buckets): the largest logit difference per chain length (rows = length + 1)."""
+    target = random_target("smollm2-135m", dtype, runtime)
+    if min_rows is not None:
+        target.runtime.buckets = tuple(b for b in SIZES if b >= min_rows)
+    rng = np.random.default_rng(3)
+    prompt, chain = rng.integers(2, 40000, size=300).tolist(), rng.integers(2, 40000, size=63).tolist()
+    steps = chain_logits(target, prompt, chain, one_by_one=True)
+    return {str(length + 1): float((chain_logits(target, prompt, chain[:length]) - steps[: length + 1]).abs().max())
+            for length in (1, 2, 4, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63)}
+
+
+def chain_logits(target: TargetModel, prompt: list[int], chain: list[int], one_by_one: bool = False) -> torch.Tensor:
+    """The logits of ``prompt[-1]`` and ``chain`` after ``prompt[:-1]``: one forward, or one forward a token."""
+    cache = target.new_cache(len(prompt) + 80)
+    target.prefill(cache, prompt[:-1])
+    if not one_by_one:
+        return target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits.float().cpu()
+    rows = []
+    for token in [prompt[-1], *chain]:
+        past = cache.get_seq_length()
+        rows.append(target.forward_tree(cache, build_tree(token, [])).logits.float().cpu()[0])
+        target.keep_path(cache, past, [0])
+    return torch.stack(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default=None, help="a real model for the batch-invariance figures")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--probe", action="store_true", help="only the padding probe (padding_probe)")
     args = parser.parse_args()
+    if args.probe:
+        probe = {f"{str(dtype).removeprefix('torch.')} {runtime} min {rows}": padding_probe(dtype, runtime, rows)
+                 for dtype, runtime, rows in [(torch.bfloat16, "graphs", 1), (torch.bfloat16, "graphs", 2),
+                                              (torch.bfloat16, "graphs", 8), (torch.bfloat16, "graphs", 16),
+                                              (torch.bfloat16, "graphs", None), (torch.bfloat16, "eager", None),
+                                              (torch.float32, "graphs", None)]}
+        print(json.dumps(probe, indent=1))
+        with open(args.out, "w", encoding="utf-8") as handle:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "probe": probe}, handle)
+        return
     figures: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "curves": {}, "ar": {},
                      "invariance": {}}
     for shape in filter(None, args.shapes.split(",")):

@@ -165,3 +165,34 @@ def test_graphed_drafting_equals_graphed_plain_decoding_in_low_precision(dtype):
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts
     assert accepted > 0
+
+
+def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smollm2_size():
+    """At SmolLM2's shapes cuBLAS multiplies up to 8 rows with other kernels than 16-64: every graphed forward in
+    bfloat16 is padded to 16 rows or more, so a chain of any length verified in one forward gives plain decoding's
+    logits bit for bit (with 1-row forwards for plain decoding, chains of 15 or more tokens differed in the last
+    bits)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True, eos_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    target = TargetModel(model, make_tokenizer(VOCAB), "smollm2-shaped")
+    assert target.runtime.buckets[0] == 16
+    rng = np.random.default_rng(3)
+    prompt, chain = rng.integers(2, 40000, size=300).tolist(), rng.integers(2, 40000, size=63).tolist()
+    cache = target.new_cache(len(prompt) + 80)
+    target.prefill(cache, prompt[:-1])
+    steps = []
+    for token in [prompt[-1], *chain]:
+        past = cache.get_seq_length()
+        steps.append(target.forward_tree(cache, build_tree(token, [])).logits[0].clone())
+        target.keep_path(cache, past, [0])
+    for length in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 47, 63):
+        cache = target.new_cache(len(prompt) + 80)
+        target.prefill(cache, prompt[:-1])
+        logits = target.forward_tree(cache, build_tree(prompt[-1], [chain[:length]])).logits
+        assert torch.equal(logits, torch.stack(steps[: length + 1])), length

@@ -16,7 +16,8 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
 from hierspec.methods import make_drafter
-from hierspec.runtime import RuntimeConfig
+from hierspec.runtime import (GRAPH_BUCKETS, INVARIANT_GRAPH_BUCKETS, PACKED_BUCKETS, RuntimeConfig,
+                              default_buckets)
 from hierspec.runtime.graphs import MIN_CAPACITY, StaticTreeCache
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
@@ -60,6 +61,18 @@ def test_every_method_on_the_static_path_equals_plain_decoding(arch):
             assert result.token_ids == reference, method
             accepted += result.stats.accepted_drafts
     assert accepted > 0
+
+
+def test_graphs_pad_every_forward_to_16_rows_on_cuda_in_low_precision_only():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert INVARIANT_GRAPH_BUCKETS[0] == 16 and set(INVARIANT_GRAPH_BUCKETS) <= set(GRAPH_BUCKETS)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert default_buckets("graphs", cuda, dtype) == INVARIANT_GRAPH_BUCKETS
+        assert default_buckets("graphs", cpu, dtype) == GRAPH_BUCKETS
+    assert default_buckets("graphs", cuda, torch.float32) == GRAPH_BUCKETS
+    assert default_buckets("packed", cpu, torch.bfloat16) == PACKED_BUCKETS
+    assert default_buckets("eager", cuda, torch.bfloat16) == ()
+    assert default_buckets("int4", cpu, torch.float32) == ()
 
 
 def test_tree_logits_equal_the_eager_runtime_for_any_tree_and_bucket():

@@ -59,6 +59,20 @@ PACKED_KV_ALIGN = attention.KEY_BLOCK
 MIN_SLOT_CAPACITY = 512
 #: row buckets of CUDA-graph tree forwards: one graph per bucket and key width, a 1-row graph for plain decoding
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+#: CUDA-graph buckets in bfloat16/float16: every forward, plain decoding's too, has at least 16 rows. cuBLAS multiplies
+#: up to 8 rows with other kernels than 16-64 (another summation order), which moved low-precision logits of rows
+#: verified in a tree away from the same rows decoded one by one; from 16 rows on they were bit-identical (a
+#: SmolLM2-shaped model on an H200, every chain length 1-63; BENCHMARKS.md). Plain decoding costs ~10 % more.
+INVARIANT_GRAPH_BUCKETS = (16, 32, 64)
+
+
+def default_buckets(kind: str, device: torch.device, dtype: torch.dtype) -> tuple[int, ...]:
+    """The row counts a runtime of ``kind`` pads trees to when none are given: :data:`PACKED_BUCKETS` when packed,
+    :data:`GRAPH_BUCKETS` with graphs (:data:`INVARIANT_GRAPH_BUCKETS` on CUDA in bfloat16/float16), none else."""
+    if kind == "graphs":
+        low_precision = dtype in (torch.bfloat16, torch.float16)
+        return INVARIANT_GRAPH_BUCKETS if device.type == "cuda" and low_precision else GRAPH_BUCKETS
+    return PACKED_BUCKETS if kind == "packed" else ()
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,7 @@ class RuntimeConfig:
             (oneDNN, an error where packing is unavailable), ``"graphs"`` (a static KV cache with tree forwards
             replayed from CUDA graphs; on the CPU the same static path runs uncaptured)
             or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
-        buckets: row counts a tree is padded to; ``None`` = :data:`PACKED_BUCKETS` when packed,
-            :data:`GRAPH_BUCKETS` with graphs, no padding otherwise.
+        buckets: row counts a tree is padded to; ``None`` = :func:`default_buckets` (by kind, device and dtype).
         decoder: ``"auto"`` (on the CPU, hierspec's own forward for Llama-family models,
             :mod:`hierspec.runtime.decoder`, with packed or PyTorch products by ``kind``) or ``"transformers"``
             (transformers' modules always).
@@ -165,8 +178,8 @@ class Runtime:
         if self.exact and not own_cpu_decoder:
             raise InputError("exact tree attention needs hierspec's own decoder on the CPU (a Llama-family model, "
                              "not --decoder transformers, not CUDA graphs)")
-        default = {"graphs": GRAPH_BUCKETS, "packed": PACKED_BUCKETS}.get(self.kind, ())
-        self.buckets: Sequence[int] = self.config.buckets if self.config.buckets is not None else default
+        self.buckets: Sequence[int] = (self.config.buckets if self.config.buckets is not None
+                                       else default_buckets(self.kind, self.device, self.dtype))
         # keys attended in whole blocks of CPU attention: a row's attention then does not depend on the tree beside it
         self.align = PACKED_KV_ALIGN if self.kind in ("packed", "int4") else 1
         text_config = model.config.get_text_config(decoder=True)
