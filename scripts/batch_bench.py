@@ -20,19 +20,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import hierspec
 from hierspec.batching import BatchConfig, BatchScheduler
 from hierspec.bench.questions import load_questions, select_questions
 from hierspec.config import GenerationConfig, ModelConfig
-from hierspec.machine import cpu_info
+from hierspec.machine import cpu_info, gpu_name
 from hierspec.methods import DrafterContext, make_drafter
-
-
-def device_name(device) -> str:
-    """The accelerator's name (``cpu`` on the CPU)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def run_level(model, context, method: str, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
@@ -99,12 +93,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cpu = cpu_info().describe()
-    report = {"cpu": cpu, "device": device_name(model.device), "model": model.name,
+    gpu = gpu_name(model.device)
+    report = {"cpu": cpu, "device": gpu or "cpu", "model": model.name,
               "runtime": model.runtime.describe(), "args": vars(args),
               "date": time.strftime("%Y-%m-%d"), "rows": rows}
     (out / "batch.json").write_text(json.dumps(report, indent=1))
     base = {r["method"]: r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
-    where = f"CPU: {cpu}" if model.device.type == "cpu" else f"device {device_name(model.device)}; host CPU: {cpu}"
+    where = f"device {gpu}; host CPU: {cpu}" if gpu else f"CPU: {cpu}"
     lines = [f"{where}; model {model.name}, runtime {model.runtime.kind}, KV cache "
              f"{model.runtime.describe()['kv_cache']}; {len(prompts)} dev questions, "
              f"{args.max_new_tokens} new tokens, greedy", "",

@@ -82,18 +82,8 @@ def bucket_invariance(target: TargetModel, prompt: list[int], chain: list[int]) 
 
 def chain_against_steps(target: TargetModel, prompt: list[int], chain: list[int]) -> dict:
     """A chain's logits verified in one forward against the same tokens fed one plain step at a time."""
-    tree = build_tree(prompt[-1], [chain])
-    cache = target.new_cache(len(prompt) + 64)
-    target.prefill(cache, prompt[:-1])
-    together = target.forward_tree(cache, tree).logits.float().cpu()
-    cache = target.new_cache(len(prompt) + 64)
-    target.prefill(cache, prompt[:-1])
-    steps = []
-    for token in [prompt[-1], *chain]:
-        past = cache.get_seq_length()
-        steps.append(target.forward_tree(cache, build_tree(token, [])).logits.float().cpu()[0])
-        target.keep_path(cache, past, [0])
-    steps = torch.stack(steps)
+    together = chain_logits(target, prompt, chain)
+    steps = chain_logits(target, prompt, chain, one_by_one=True)
     return {"max_abs_diff": float((together - steps).abs().max()),
             "argmax_equal": bool(torch.equal(together.argmax(-1), steps.argmax(-1)))}
 

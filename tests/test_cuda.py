@@ -18,7 +18,7 @@ from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.target import TargetModel, load_model
 from hierspec.tree import build_tree
-from tiny import make_model, make_tokenizer, save_model_dir
+from tiny import assert_chain_equals_steps, make_model, make_tokenizer, save_model_dir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -184,15 +184,5 @@ def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smoll
     assert target.runtime.buckets[0] == 16
     rng = np.random.default_rng(3)
     prompt, chain = rng.integers(2, 40000, size=300).tolist(), rng.integers(2, 40000, size=63).tolist()
-    cache = target.new_cache(len(prompt) + 80)
-    target.prefill(cache, prompt[:-1])
-    steps = []
-    for token in [prompt[-1], *chain]:
-        past = cache.get_seq_length()
-        steps.append(target.forward_tree(cache, build_tree(token, [])).logits[0].clone())
-        target.keep_path(cache, past, [0])
     for length in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 47, 63):
-        cache = target.new_cache(len(prompt) + 80)
-        target.prefill(cache, prompt[:-1])
-        logits = target.forward_tree(cache, build_tree(prompt[-1], [chain[:length]])).logits
-        assert torch.equal(logits, torch.stack(steps[: length + 1])), length
+        assert_chain_equals_steps(target, prompt, chain[:length])

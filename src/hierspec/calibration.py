@@ -29,7 +29,7 @@ from tqdm import tqdm
 from hierspec.drafters.scored import ContextCost, linear_cost
 from hierspec.errors import InputError
 from hierspec.loading import user_cache_dir
-from hierspec.machine import cpu_info
+from hierspec.machine import cpu_info, gpu_name
 from hierspec.runtime import int4_kernel
 from hierspec.runtime.inputs import bucket_for
 from hierspec.target import TargetModel
@@ -113,10 +113,7 @@ def _positive_ms(value) -> bool:
 def machine_identity(target: TargetModel) -> dict:
     """What a cost curve depends on: the model, device (and which CPU), dtype, CPU threads and runtime."""
     device = str(target.device)
-    if target.device.type == "cpu":
-        hardware = cpu_info().describe()
-    else:
-        hardware = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else device
+    hardware = cpu_info().describe() if target.device.type == "cpu" else gpu_name(target.device) or device
     return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": device,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,

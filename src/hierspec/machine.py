@@ -64,3 +64,8 @@ def cpu_info() -> CpuInfo:
     except (AttributeError, RuntimeError):
         capability = "unknown"
     return CpuInfo(model=model, flags=flags, capability=capability, native_bf16=native_bfloat16())
+
+
+def gpu_name(device: torch.device) -> str | None:
+    """The name of a CUDA ``device`` (``NVIDIA H200``, say); ``None`` for any other device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -24,7 +24,7 @@ from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, GenerationConfig, Mod
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
 from hierspec.bench.peers import LLAMACPP_METHODS, LlamaCppRunner, gguf_file
-from hierspec.machine import cpu_info
+from hierspec.machine import cpu_info, gpu_name
 from hierspec.methods import DrafterContext, MethodSpec, make_drafter
 from hierspec.target import TargetModel, load_model
 
@@ -190,7 +190,7 @@ def environment(model: TargetModel) -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": cpu_info().describe(),
-        "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
+        "gpu": gpu_name(model.device),
         "runtime": model.runtime.describe(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
