@@ -97,12 +97,12 @@ def _prompts():
 
 @pytest.mark.parametrize("batch_size", [1, 4, 16])
 def test_builder_writes_generations_and_table(target, tmp_path, batch_size):
-    """Batched generation (left-padded prompts, any batch size) gives each prompt the answer of one-at-a-time
+    """Batched generation (continuous batching, any batch size) gives each prompt the answer of one-at-a-time
     decoding, token for token."""
     config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, method="ar", batch_size=batch_size)
     header = build_model_store(target, _prompts(), tmp_path, config)
     records = [json.loads(line) for line in (tmp_path / GENERATIONS_FILE).read_text().splitlines()]
-    records.sort(key=lambda r: r["index"])  # batches answer the longest prompts first
+    records.sort(key=lambda r: r["index"])  # answers are written as they end
     assert [r["index"] for r in records] == list(range(6))
     plain = SpeculativeDecoder(target, NoDrafter())
     for record, prompt in zip(records, _prompts()):
@@ -201,8 +201,9 @@ def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_sto
         make_drafter("rest", DrafterContext(target, store_root=str(tmp_path / "none")))
 
 
-def test_the_generation_estimate_counts_padded_prefill_and_one_decode_per_batch():
-    # lengths 10, 7, 5, 2 two at a time: batches (10, 7) and (5, 2), prefilled as 2 x 10 and 2 x 5 tokens
+def test_the_generation_estimate_reads_every_prompt_once_and_decodes_a_batch_per_step():
+    # 24 prompt tokens at 0.5 s; 4 answers x 3 tokens, 2 at a time: 6 steps at 2 s
     seconds = store_builds.batched_seconds([5, 10, 2, 7], rows=2, new_tokens=3, per_token=0.5, per_step=2.0)
-    assert seconds == (2 * 10 + 2 * 5) * 0.5 + 2 * 3 * 2.0
+    assert seconds == 24 * 0.5 + 6 * 2.0
+    # 3 answers of 1 token, 2 at a time: 2 steps (the last one half full)
     assert store_builds.batched_seconds([4, 4, 4], rows=2, new_tokens=1, per_token=1.0, per_step=1.0) == 12 + 2

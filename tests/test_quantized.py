@@ -539,20 +539,20 @@ def test_every_method_batched_on_the_int4_path_equals_its_plain_decoding(tmp_pat
     assert accepted > 0
 
 
-def test_batched_generation_runs_beside_the_int4_paths_float16_cache(tmp_path):
-    """Building a model store generates through the model's own modules, whose attention takes the model's dtype:
-    its cache is in that dtype even where the int4 path's own cache is float16 (``make stores`` failed on a fresh
-    machine since the float16 cache became the default)."""
+def test_batched_generation_on_the_int4_path_gives_its_own_plain_decoding(tmp_path):
+    """Building a model store answers prompts through the runtime's batched forward (the int4 products and its
+    float16 cache), so each answer is the int4 target's own greedy answer alone — not a float32 model's — whatever
+    the prompts beside it, and a prompt that fills the context gets none."""
     from hierspec.batch_generate import generate_greedy_batches
 
     model, path = _tiny(tmp_path)
     target = _int4_target(model, path, "compiled")
-    if target.runtime.kv_dtype != torch.float16:
-        pytest.skip("the compiled layers do not attend here")
-    prompts = [[4, 8, 15, 16, 23], [5, 6, 7], [9, 9, 2, 1]]
-    answers = dict(generate_greedy_batches(target, prompts, 6, batch_size=3))
-    expected = dict(generate_greedy_batches(_float32_copy(model), prompts, 6, batch_size=3))
-    assert answers == expected and max(len(answer) for answer in answers.values()) == 6
+    prompts = [[4, 8, 15, 16, 23], [5, 6, 7], [9, 9, 2, 1], [3, 1, 4, 1, 5], [2] * target.max_context]
+    answers = dict(generate_greedy_batches(target, prompts, 6, batch_size=2))
+    plain = SpeculativeDecoder(target, NoDrafter())
+    expected = [plain.generate(p, GenerationConfig(max_new_tokens=6)).token_ids for p in prompts[:4]]
+    assert [answers[i] for i in range(4)] == expected and answers[4] == []
+    assert max(len(answer) for answer in expected) == 6
 
 
 def test_unsupported_blocks_fall_back_to_dequantized_weights_or_fail_clearly_when_int4_is_asked(tmp_path):

@@ -264,9 +264,9 @@ def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest) -> 
 
 def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width: int = 16, steps: int = 4) -> float:
     """Rough minutes to answer prompts of these token lengths with batched greedy generation, from two timed runs
-    of the same path on ``batch_size`` filler prompts of ``width`` tokens (1 and ``1 + steps`` new tokens): prefill
-    costs each batch its rows times its longest prompt (rows are left-padded), and a batch decodes until its longest
-    answer ends, about ``max_new_tokens`` steps (tqdm's ETA refines the estimate while generating)."""
+    of the same path on ``batch_size`` filler prompts of ``width`` tokens (1 and ``1 + steps`` new tokens): each
+    prompt is read once, and every step decodes ``batch_size`` answers together until all of them end, taken as
+    ``max_new_tokens`` long (answers that end sooner make it shorter; tqdm's ETA refines it while generating)."""
     rows = max(1, config.batch_size)
     filler = (target.encode_prompt("Hello") * width)[:width]
 
@@ -283,12 +283,10 @@ def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width
 
 
 def batched_seconds(lengths: list[int], rows: int, new_tokens: int, per_token: float, per_step: float) -> float:
-    """Seconds to answer prompts of these lengths ``rows`` at a time, longest first: each batch prefills its rows
-    times its longest prompt at ``per_token`` and decodes ``new_tokens`` steps at ``per_step``."""
-    ordered = sorted(lengths, reverse=True)  # the batches generate_greedy_batches forms
-    batches = [ordered[i : i + rows] for i in range(0, len(ordered), rows)]
-    padded = sum(len(batch) * batch[0] for batch in batches)
-    return padded * per_token + len(batches) * new_tokens * per_step
+    """Seconds to answer prompts of these lengths, ``rows`` generating at once (continuous batching): every prompt
+    token read at ``per_token``, and ``new_tokens`` tokens per answer decoded ``rows`` at a time at ``per_step``."""
+    steps = -(-len(lengths) * new_tokens // max(1, rows))
+    return sum(lengths) * per_token + steps * per_step
 
 
 def _excluded(request: BuildRequest) -> list[str]:
@@ -442,7 +440,7 @@ def _answers(target, encoded: dict[int, list[int] | None], config: ModelStoreCon
         batch = generate_greedy_batches(target, [encoded[i] for i in todo], config.max_new_tokens, config.batch_size)
         for position, answer in batch:
             now = time.perf_counter()
-            yield todo[position], answer, now - start  # the batch's time, charged to its answers in turn
+            yield todo[position], answer, now - start  # the time since the last answer ended
             start = now
         return
     decoder = SpeculativeDecoder(target, make_drafter(config.method, DrafterContext(target)))
