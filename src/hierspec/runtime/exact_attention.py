@@ -46,12 +46,14 @@ class ExactPlan:
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
-        allowed = mask.detach().to("cpu", torch.bool).numpy()
-        if not allowed.any(axis=1).all():
+        allowed = (mask if mask.device.type == "cpu" and mask.dtype == torch.bool else mask.to("cpu", torch.bool)
+                   ).numpy()
+        counts = np.count_nonzero(allowed, axis=1)
+        if not counts.all():
             raise ValueError("every row of an exact-attention mask must attend at least one key")
         self.indptr = np.zeros(allowed.shape[0] + 1, dtype=np.int64)
-        np.cumsum(allowed.sum(axis=1), out=self.indptr[1:])
-        self.indices = np.nonzero(allowed)[1].astype(np.int64)
+        np.cumsum(counts, out=self.indptr[1:])
+        self.indices = np.ascontiguousarray(np.nonzero(allowed)[1], dtype=np.int64)  # a column view: copied
         self.blocks = np.zeros(allowed.shape[0], dtype=np.int64)
 
     @classmethod

@@ -58,6 +58,7 @@ class GrowableLayer(CacheLayerMixin):
         self.align = 1
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
+        self._whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # buffers() and its _keys
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -96,10 +97,14 @@ class GrowableLayer(CacheLayerMixin):
         return start
 
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys' and values' whole buffers of a one-sequence layer, ``[kv_heads, capacity, head_dim]`` each."""
-        if self._keys.shape[0] != 1:
-            raise ValueError("buffers() is for a cache of one sequence")
-        return self._keys[0], self._values[0]
+        """The keys' and values' whole buffers of a one-sequence layer, ``[kv_heads, capacity, head_dim]`` each (the
+        views made once per allocation: every tree forward asks for all layers')."""
+        whole = self._whole
+        if whole is None or whole[2] is not self._keys:
+            if self._keys.shape[0] != 1:
+                raise ValueError("buffers() is for a cache of one sequence")
+            whole = self._whole = (self._keys[0], self._values[0], self._keys)
+        return whole[0], whole[1]
 
     def keep(self, start: int, offsets: torch.Tensor) -> None:
         """Keep entries ``start + offsets`` (ascending, ``offsets[i] >= i``) as entries ``start .. start + len - 1``
