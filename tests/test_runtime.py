@@ -152,6 +152,33 @@ def test_tree_inputs_pad_with_rows_no_real_node_sees():
     assert wider.shape[-1] == 8 and not wider[0, 0, :, 8:].any()
 
 
+def test_tree_inputs_written_through_numpy_equal_the_torch_writes_used_off_the_cpu():
+    """CPU buffers are filled through NumPy views; the torch writes other devices take give the same inputs, on
+    random trees, paddings and pasts (each buffer reused across fills, as the runtime does)."""
+    rng = np.random.default_rng(3)
+    host, device_path = TreeInputs(torch.device("cpu"), groups=3, align=8), TreeInputs(torch.device("cpu"), groups=3,
+                                                                                       align=8)
+    for _ in range(40):
+        branches = [rng.integers(0, 50, size=rng.integers(1, 5)).tolist() for _ in range(rng.integers(0, 4))]
+        tree = build_tree(int(rng.integers(0, 50)), branches)
+        past, rows = int(rng.integers(0, 300)), tree.size + int(rng.integers(0, 4))
+        device_path._host = None  # what a CUDA TreeInputs holds
+        expected = [t.clone() for t in device_path.fill(tree, past, rows)]
+        got = host.fill(tree, past, rows)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_layers_buffers_follow_its_growth():
+    cache = TreeCache(num_layers=1, capacity=4)
+    like = torch.zeros(1, 2, 0, 8)
+    start, buffers = cache.reserve(3, like)
+    assert start == 0 and buffers[0][0].shape == (2, 4, 8)
+    assert cache.reserve(1, like)[1][0][0] is buffers[0][0]  # the same views while the buffer stays
+    start, grown = cache.reserve(5, like)  # 9 entries: the buffer doubles twice
+    assert start == 4 and grown[0][0].shape == (2, 16, 8)
+    assert grown[0][0].data_ptr() == cache.layers[0]._keys.data_ptr()
+
+
 def test_tree_cache_grows_by_doubling_and_keeps_contents():
     cache = TreeCache(num_layers=2, capacity=4)
     first = torch.arange(3 * 8, dtype=torch.float32).reshape(1, 1, 3, 8)
