@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_store.add_argument("--method", default=None,
                              help="decoding method used to answer one prompt at a time (--generate-batch 1)")
     model_store.add_argument("--generate-batch", type=int, default=None, dest="generate_batch",
-                             help="prompts answered together in one batched greedy generation (default 16)")
+                             help="prompts generating at once, continuous batching (default 16)")
     dense = build.add_argument_group("dense store (--kind dense; --input also takes a model store's directory)")
     dense.add_argument("--pca-dim", type=int, default=64, help="PCA dimensions of the keys (default 64)")
     dense.add_argument("--next-tokens", type=int, default=20, help="tokens stored after each key (default 20)")

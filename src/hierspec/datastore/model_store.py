@@ -40,7 +40,7 @@ class ModelStoreConfig:
         limit: most prompts used (``None``: all).
         method: decoding method used to generate one prompt at a time (any lossless method: the text is the
             target's greedy output); used when ``batch_size`` is 1.
-        batch_size: prompts answered together in one batched greedy generation (:mod:`hierspec.batch_generate`).
+        batch_size: prompts generating at once by continuous batching (:mod:`hierspec.batch_generate`).
     """
 
     key_len: int = 1
