@@ -5,7 +5,8 @@ it. The prompts go through the serving scheduler (:class:`~hierspec.batching.Bat
 to ``batch_size`` generations share each forward of the runtime, and a prompt joins as soon as another's answer
 ends — no padding, no batch waiting for its longest answer. Each answer is the one plain decoding gives that prompt
 alone on this runtime, token for token (``tests/test_batching.py``): the very tokens a speculative decoder of this
-model verifies against, so a model store holds what the model really says.
+model verifies against, so a model store holds what the model really says. (Under CUDA graphs the runtime
+holds one sequence per forward, so the answers come one after another, each at the graphs' speed.)
 
 Until 2026-11-27 (thirtieth session) prompts were left-padded and answered a batch at a time by the model's own
 transformers modules: on the int4 path those compute in float32 from expanded weights, ~5x (SmolLM2-135M) to ~7x
