@@ -9,8 +9,8 @@ model verifies against, so a model store holds what the model really says. (Unde
 holds one sequence per forward, so the answers come one after another, each at the graphs' speed.)
 
 Until 2026-11-27 (thirtieth session) prompts were left-padded and answered a batch at a time by the model's own
-transformers modules: on the int4 path those compute in float32 from expanded weights, ~5x (SmolLM2-135M) to ~7x
-(Qwen2.5-Coder-1.5B) slower than this on two cores (BENCHMARKS.md, "Thirtieth session").
+transformers modules: on the int4 path those compute in float32 from expanded weights, 2.3x (SmolLM2-135M, 2,000
+ShareGPT prompts) to ~7x (Qwen2.5-Coder-1.5B) slower than this on two cores (BENCHMARKS.md, "Thirtieth session").
 """
 
 from __future__ import annotations
