@@ -164,3 +164,38 @@ def test_decode_batch_returns_results_in_prompt_order(target):
     config = GenerationConfig(max_new_tokens=10)
     results = decode_batch(target, prompts, NoDrafter, config, BatchConfig(max_batch=2))
     assert [r.token_ids for r in results] == [a.token_ids for a in _alone(target, prompts, config)]
+
+
+class SharingRecorder(Drafter):
+    """Drafts ``size`` tokens of its own (``size`` fixed per drafter) and records what it is told about the others."""
+
+    name = "recorder"
+
+    def __init__(self, size: int, log: list) -> None:
+        self.size, self.log = size, log
+
+    def share_forward(self, rows, tokens, draft_ms=0.0):
+        self.log.append((self.size, rows, tokens))
+
+    def propose(self, context, budget):
+        from hierspec.tree import build_tree
+        return build_tree(int(context[-1]), [[1] * min(self.size, budget)] if self.size and budget else [])
+
+
+def test_each_drafter_is_told_the_other_generations_rows_and_tokens(target):
+    """Before drafting, a generation learns the others' rows — this step's tree for those that drafted before it,
+    the last step's for the rest (one row before any) — and their tokens per step so far (one before any)."""
+    log = []
+    sizes = iter([0, 2, 5])
+    scheduler = BatchScheduler(target, lambda: SharingRecorder(next(sizes), log), BatchConfig(max_batch=3))
+    config = GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    requests = [scheduler.submit(p, config) for p in _prompts(3, seed=9)]
+    scheduler.step()
+    assert [(size, rows) for size, rows, _ in log] == [(0, 1 + 1), (2, 1 + 1), (5, 1 + 3)]
+    assert [tokens for _, _, tokens in log] == [2.0, 2.0, 2.0]
+    log.clear()
+    scheduler.step()
+    assert [(size, rows) for size, rows, _ in log] == [(0, 3 + 6), (2, 1 + 6), (5, 1 + 3)]
+    stats = [r._generation.stats for r in requests]
+    means = [s.mean_accepted for s in stats]
+    assert [tokens for _, _, tokens in log] == pytest.approx([sum(means) - m for m in means])

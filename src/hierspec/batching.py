@@ -181,9 +181,10 @@ class BatchScheduler:
         if not running:
             return touched
         trees, live = [], []
-        for index, request in enumerate(running):
+        shared = self._shared_totals(running)
+        for request in running:
             try:
-                trees.append(self._propose(request, index, running))
+                trees.append(self._propose(request, shared, len(running)))
                 live.append(request)
             except Exception as exc:  # a drafter's failure ends its own request only
                 self._fail(request, exc)
@@ -257,17 +258,25 @@ class BatchScheduler:
         self._idle_caches.remove(cache)
         return cache
 
-    def _propose(self, request: Request, index: int, running: list[Request]):
+    def _shared_totals(self, running: list[Request]) -> list[float]:
+        """Rows, expected tokens and drafting milliseconds of every running generation's last step, summed: each
+        drafter is told the others' share as the total less its own (one pass a step, not one per pair)."""
+        return [sum(self._rows.get(r.id, 1) for r in running), sum(_expected_tokens(r) for r in running),
+                sum(self._draft_ms.get(r.id, 0.0) for r in running)]
+
+    def _propose(self, request: Request, shared: list[float], running: int):
         generation = request._generation
-        others = [r for r in running if r is not request]
-        rows = sum(self._rows.get(r.id, 1) for r in others)
-        tokens = sum(r._generation.stats.mean_accepted or 1.0 for r in others)
-        generation.drafter.share_forward(rows, tokens, sum(self._draft_ms.get(r.id, 0.0) for r in others))
-        share = self.config.max_rows // len(running) - 1
+        rows, tokens, draft_ms = self._rows.get(request.id, 1), _expected_tokens(request), self._draft_ms.get(
+            request.id, 0.0)
+        generation.drafter.share_forward(shared[0] - rows, shared[1] - tokens, shared[2] - draft_ms)
+        share = self.config.max_rows // running - 1
         drafted = generation.stats.draft_time  # the generation times its own drafting
         tree = generation.propose(max(0, share))
         self._draft_ms[request.id] = 1e3 * (generation.stats.draft_time - drafted)
         self._rows[request.id] = tree.size
+        # the generations after this one see its new tree and drafting time, as before
+        shared[0] += tree.size - rows
+        shared[2] += self._draft_ms[request.id] - draft_ms
         return tree
 
     def _accept(self, request: Request, output) -> None:
@@ -315,6 +324,13 @@ class BatchScheduler:
                 if self.target.runtime.graphed is None:  # the CUDA graphs' static cache is the runtime's to resize
                     self._idle_caches.append(generation.cache)
                 self._idle_drafters.append(generation.drafter)
+
+
+def _expected_tokens(request: Request) -> float:
+    """Tokens a running generation is expected to add in a step: its mean so far (one before its first step);
+    from its counters, O(1), where :attr:`GenerationStats.mean_accepted` sums every step's."""
+    stats = request._generation.stats
+    return stats.new_tokens / stats.target_forwards if stats.target_forwards else 1.0
 
 
 def decode_batch(target: TargetModel, prompts: Sequence[Sequence[int]], new_drafter: Callable[[], Drafter],
