@@ -46,8 +46,7 @@ class ExactPlan:
     """
 
     def __init__(self, mask: torch.Tensor) -> None:
-        allowed = (mask if mask.device.type == "cpu" and mask.dtype == torch.bool else mask.to("cpu", torch.bool)
-                   ).numpy()
+        allowed = mask.detach().to("cpu", torch.bool).numpy()
         counts = np.count_nonzero(allowed, axis=1)
         if not counts.all():
             raise ValueError("every row of an exact-attention mask must attend at least one key")
