@@ -12,6 +12,7 @@ from hierspec.drafters.base import NoDrafter
 from hierspec.errors import InputError
 from hierspec.runtime import RuntimeConfig
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention, exact_attention_blocks
+from hierspec.runtime.inputs import TreeInputs
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 from tiny import assert_tree_rows_equal_chains, make_model, make_tokenizer
@@ -195,3 +196,23 @@ def test_one_call_over_a_pool_of_sequences_equals_each_sequence_alone():
     together = exact_attention_blocks(torch.cat(queries, dim=2), pool_k.flatten(0, 1), pool_v.flatten(0, 1),
                                       ExactPlan.concatenate(plans, blocks), KV_HEADS, 0.125)
     assert torch.equal(together, torch.cat(alone))
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_plan_made_from_the_tree_equals_the_plan_read_from_its_mask(groups):
+    """``fill_exact``'s plan (made from the parents) holds the very arrays ``ExactPlan`` reads from ``fill``'s mask,
+    for random trees, cache lengths, padding rows and grouped (folded) masks."""
+    rng = np.random.default_rng(7)
+    inputs = TreeInputs(torch.device("cpu"), groups=groups, align=8)
+    for _ in range(200):
+        parts = [list(map(int, rng.integers(0, 50, size=rng.integers(1, 6)))) for _ in range(rng.integers(0, 5))]
+        tree = build_tree(int(rng.integers(0, 50)), parts, ["x"] * len(parts))
+        past, rows = int(rng.integers(0, 300)), tree.size + int(rng.integers(0, 4))
+        ids, positions, mask = inputs.fill(tree, past, rows)
+        ids, positions = ids.clone(), positions.clone()
+        from_mask = ExactPlan(mask[0, 0, :rows])
+        exact_ids, exact_positions, from_tree = inputs.fill_exact(tree, past, rows)
+        assert torch.equal(exact_ids, ids) and torch.equal(exact_positions, positions)
+        for name in ("indptr", "indices", "blocks"):
+            got, want = getattr(from_tree, name), getattr(from_mask, name)
+            assert got.dtype == want.dtype and np.array_equal(got, want), (name, tree.parents, past, rows)

@@ -358,6 +358,11 @@ class Runtime:
             logits, hidden = self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
             return (logits if head is None else logits[:, head.tokens]), hidden
         past = cache.get_seq_length()
+        if self.decoder is not None and self.exact:
+            ids, positions, plan = self.inputs.fill_exact(tree, past, self.rows_for(tree.size))
+            with cache.aligned(self.align):
+                return self.decoder.forward(ids, positions, None, cache, slice(0, tree.size), want_hidden, True,
+                                            head=None if head is None else head.projection, plan=plan)
         ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
         if self.decoder is not None:
             with cache.aligned(self.align):
@@ -396,10 +401,15 @@ class Runtime:
         ids, positions, segments, keep, start = [], [], [], [], 0
         for index, (cache, tree) in enumerate(zip(caches, trees)):
             rows = tree.size + (extra if index == len(trees) - 1 else 0)
-            tree_ids, tree_positions, mask = self._batch_inputs[index].fill(tree, cache.get_seq_length(), rows)
+            inputs, past = self._batch_inputs[index], cache.get_seq_length()
+            if self.exact:
+                tree_ids, tree_positions, plan = inputs.fill_exact(tree, past, rows)
+                segments.append(Segment(start, start + rows, None, cache, plan))
+            else:
+                tree_ids, tree_positions, mask = inputs.fill(tree, past, rows)
+                segments.append(Segment(start, start + rows, mask, cache))
             ids.append(tree_ids)
             positions.append(tree_positions)
-            segments.append(Segment(start, start + rows, mask, cache))
             keep.extend(range(start, start + tree.size))
             start += rows
         keep_index = torch.tensor(keep, device=self.device) if extra else slice(0, total)

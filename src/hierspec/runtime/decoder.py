@@ -106,12 +106,22 @@ class _FirstColumns:
 class Segment:
     """One sequence's rows ``start .. stop - 1`` in a batched forward, with its attention mask (the runtime's boolean
     ``[1, 1, rows or groups * rows, width]``, or ``None`` for a prompt on an empty cache: causal) and its own KV
-    cache."""
+    cache; for exact attention its rows' :class:`ExactPlan` may stand in for the mask (made from the tree)."""
 
     start: int
     stop: int
     mask: torch.Tensor | None
     cache: object
+    plan: ExactPlan | None = None
+
+    @property
+    def causal(self) -> bool:
+        """Whether the rows are a prompt on an empty cache (no mask, no plan)."""
+        return self.mask is None and self.plan is None
+
+    def exact_plan(self) -> ExactPlan:
+        """The rows' exact-attention plan: the given one, else read from the mask."""
+        return self.plan if self.plan is not None else ExactPlan(self.mask[0, 0, : self.stop - self.start])
 
 
 @dataclass
@@ -210,7 +220,8 @@ class LlamaFamilyDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True,
-                head: Projection | _FirstColumns | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                head: Projection | _FirstColumns | None = None, plan: ExactPlan | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits ``[kept, vocab]`` of the rows ``keep`` selects (``None`` without ``want_logits``) and their last
         hidden states, after the final norm (with ``want_hidden``): a tree's real nodes, or a prompt's last row.
 
@@ -219,10 +230,10 @@ class LlamaFamilyDecoder:
         skips the masked half); every layer's keys and values go into ``cache`` through its layer's ``update``.
         ``exact`` (not with ``mask`` ``None``): attention
         by :func:`~hierspec.runtime.exact_attention.exact_attention` (a row's result independent of the tree's
-        layout).
+        layout); ``plan`` (exact only) stands in for ``mask``: :meth:`ExactPlan.of_tree`.
         """
-        return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache)], keep, want_hidden,
-                                     exact, want_logits, head)
+        return self.forward_segments(ids, positions, [Segment(0, ids.shape[-1], mask, cache, plan)], keep,
+                                     want_hidden, exact, want_logits, head)
 
     def forward_segments(self, ids: torch.Tensor, positions: torch.Tensor, segments: Sequence[Segment],
                          keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False,
@@ -238,7 +249,7 @@ class LlamaFamilyDecoder:
         rows = ids.shape[-1]
         cos, sin = self._rotation(positions.reshape(-1))
         slots = None if exact else self._slot_batch(segments)
-        plans = [ExactPlan(s.mask[0, 0, : s.stop - s.start]) for s in segments] if exact else None
+        plans = [s.exact_plan() for s in segments] if exact else None
         pooled = self._exact_pool(segments, plans) if exact else None
         if pooled is not None:
             slots, plans = pooled
@@ -336,7 +347,7 @@ class LlamaFamilyDecoder:
             keys, values = s.cache.layers[index].update(key if whole else key[:, :, s.start : s.stop],
                                                         value if whole else value[:, :, s.start : s.stop])
             own_query = query if whole else query[:, :, s.start : s.stop]
-            if s.mask is None:  # converts the entries to its own dtype
+            if s.causal:  # converts the entries to its own dtype
                 parts.append(self._prompt_attention(own_query, keys, values))
                 continue
             if keys.dtype != query.dtype:  # a float16 cache: its stored (rounded) entries, widened

@@ -56,6 +56,17 @@ class ExactPlan:
         self.blocks = np.zeros(allowed.shape[0], dtype=np.int64)
 
     @classmethod
+    def of_tree(cls, parents: np.ndarray, past: int, rows: int) -> ExactPlan:
+        """The plan of :class:`~hierspec.runtime.inputs.TreeInputs`' mask for a breadth-first tree (``parents``,
+        parents before children) over ``past`` cached entries in a bucket of ``rows``, made from the tree itself:
+        row ``i`` attends the cached slots, then ``past +`` each node on its path from the root (padding rows: their
+        own slot only). The same arrays as :meth:`__init__` on that mask, in one compiled call instead of writing
+        and scanning ``rows x width`` booleans each forward."""
+        plan = cls.__new__(cls)
+        plan.indptr, plan.indices, plan.blocks = _tree_plan(np.ascontiguousarray(parents, dtype=np.int64), past, rows)
+        return plan
+
+    @classmethod
     def concatenate(cls, plans: Sequence[ExactPlan], blocks: np.ndarray) -> ExactPlan:
         """One plan of every row of ``plans``, in order (each row's slots unchanged), its rows reading ``blocks``."""
         plan = cls.__new__(cls)
@@ -116,6 +127,35 @@ _EXP_POLY = (np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float3
              np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1))
 #: below this, exp underflows float32's normal range (the weight is ~1e-38, not 0)
 _EXP_FLOOR = np.float32(-87.0)
+
+
+@njit(nogil=True, cache=True)
+def _tree_plan(parents, past, rows):  # pragma: no cover - compiled
+    """``(indptr [rows + 1], indices, blocks [rows])`` of a tree's rows: row ``r`` reads slots ``0 .. past - 1``,
+    then ``past + a`` for each node ``a`` on its path from the root (ascending: parents precede children); a padding
+    row ``r >= n`` reads ``past + r`` alone; every row block 0."""
+    n = parents.shape[0]
+    depths = np.zeros(n, dtype=np.int64)
+    for node in range(1, n):
+        depths[node] = depths[parents[node]] + 1
+    indptr = np.empty(rows + 1, dtype=np.int64)
+    indptr[0] = 0
+    for row in range(rows):
+        indptr[row + 1] = indptr[row] + past + (depths[row] + 1 if row < n else 1)
+    indices = np.empty(indptr[rows], dtype=np.int64)
+    for row in range(rows):
+        at = indptr[row]
+        for slot in range(past):
+            indices[at + slot] = slot
+        node = row if row < n else -1
+        end = indptr[row + 1]
+        if node < 0:
+            indices[end - 1] = past + row
+        while node >= 0:  # the path from the row's node up to the root, written from its end
+            end -= 1
+            indices[end] = past + node
+            node = parents[node]
+    return indptr, indices, np.zeros(rows, dtype=np.int64)
 
 
 @njit(nogil=True, cache=True, fastmath={"contract"})

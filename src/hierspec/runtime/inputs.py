@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.tree import DraftTree, ancestor_matrix
 
 
@@ -56,14 +57,31 @@ class TreeInputs:
         """``(input_ids [1, rows], position_ids [1, rows], mask [1, 1, groups * rows, width])`` for ``tree`` on top
         of ``past`` cached entries, padded to ``rows``; ``width`` is ``past + rows`` rounded up to the alignment, the
         columns past ``past + rows`` hidden."""
+        width = -(-(past + rows) // self.align) * self.align
+        ids, positions = self._write_rows(tree, past, rows, width)
+        block = np.eye(rows, dtype=bool)
+        block[: tree.size, : tree.size] = ancestor_matrix(tree)
+        tiled = np.tile(block, (self.groups, 1))
+        host = self._host is not None
+        mask = (self._host[2] if host else self._mask)[: self.groups * rows, :width]
+        mask[:, :past] = True
+        mask[:, past : past + rows] = tiled if host else torch.from_numpy(tiled)
+        mask[:, past + rows :] = False
+        return ids, positions, self._mask[: self.groups * rows, :width][None, None]
+
+    def fill_exact(self, tree: DraftTree, past: int, rows: int) -> tuple[torch.Tensor, torch.Tensor, ExactPlan]:
+        """:meth:`fill`'s ids and positions with, instead of the mask, the exact attention's plan of that mask
+        (:meth:`ExactPlan.of_tree`): what the exact path reads, without the mask's ``rows x width`` writes."""
+        ids, positions = self._write_rows(tree, past, rows, self._columns)
+        return ids, positions, ExactPlan.of_tree(tree.parents, past, rows)
+
+    def _write_rows(self, tree: DraftTree, past: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token and position in the buffers (grown to ``rows x columns`` where needed): the tree's nodes,
+        then padding rows repeating the root."""
         n = tree.size
         if rows < n:
             raise ValueError(f"a bucket of {rows} rows cannot hold a tree of {n} nodes")
-        width = -(-(past + rows) // self.align) * self.align
-        self._ensure(rows, width)
-        block = np.eye(rows, dtype=bool)
-        block[:n, :n] = ancestor_matrix(tree)
-        tiled = np.tile(block, (self.groups, 1))
+        self._ensure(rows, columns)
         # CPU buffers are written through their NumPy views (a torch operator costs 3-5 us of dispatch); on another
         # device ids and positions are made on the host and copied over
         host = self._host is not None
@@ -76,11 +94,7 @@ class TreeInputs:
         if not host:
             self._ids[0, :rows].copy_(torch.from_numpy(ids))
             self._positions[0, :rows].copy_(torch.from_numpy(positions))
-        mask = (self._host[2] if host else self._mask)[: self.groups * rows, :width]
-        mask[:, :past] = True
-        mask[:, past : past + rows] = tiled if host else torch.from_numpy(tiled)
-        mask[:, past + rows :] = False
-        return self._ids[:, :rows], self._positions[:, :rows], self._mask[: self.groups * rows, :width][None, None]
+        return self._ids[:, :rows], self._positions[:, :rows]
 
     def row_index(self, count: int) -> torch.Tensor:
         """``[0, 1, .., count - 1]`` on the device: the rows whose logits a forward keeps (the real nodes)."""
