@@ -32,6 +32,7 @@ from hierspec.errors import InputError
 from hierspec.runtime import attention, onednn
 from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
 from hierspec.runtime.decoder import unsupported_reason as decoder_reason
+from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
@@ -358,22 +359,27 @@ class Runtime:
             logits, hidden = self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
             return (logits if head is None else logits[:, head.tokens]), hidden
         past = cache.get_seq_length()
-        if self.decoder is not None and self.exact:
-            ids, positions, plan = self.inputs.fill_exact(tree, past, self.rows_for(tree.size))
-            with cache.aligned(self.align):
-                return self.decoder.forward(ids, positions, None, cache, slice(0, tree.size), want_hidden, True,
-                                            head=None if head is None else head.projection, plan=plan)
-        ids, positions, mask = self.inputs.fill(tree, past, self.rows_for(tree.size))
+        ids, positions, mask, plan = self._tree_inputs(self.inputs, tree, past, self.rows_for(tree.size))
         if self.decoder is not None:
             with cache.aligned(self.align):
                 return self.decoder.forward(ids, positions, mask, cache, slice(0, tree.size), want_hidden,
-                                            self.exact, head=None if head is None else head.projection)
+                                            self.exact, head=None if head is None else head.projection, plan=plan)
         with cache.aligned(self.align):
             out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask,
                              **cache_argument(self.model, cache), use_cache=True, output_hidden_states=want_hidden,
                              logits_to_keep=self.inputs.row_index(tree.size))
         hidden = out.hidden_states[-1][0, : tree.size] if want_hidden else None
         return (out.logits[0] if head is None else out.logits[0][:, head.tokens]), hidden
+
+    def _tree_inputs(self, inputs: TreeInputs, tree, past: int, rows: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ExactPlan | None]:
+        """A tree forward's ids and positions with, for the owned decoder's exact attention, the rows' plan made from
+        the tree (no mask), else the mask (no plan)."""
+        if self.decoder is not None and self.exact:
+            ids, positions, plan = inputs.fill_exact(tree, past, rows)
+            return ids, positions, None, plan
+        ids, positions, mask = inputs.fill(tree, past, rows)
+        return ids, positions, mask, None
 
     @property
     def batches(self) -> bool:
@@ -401,13 +407,9 @@ class Runtime:
         ids, positions, segments, keep, start = [], [], [], [], 0
         for index, (cache, tree) in enumerate(zip(caches, trees)):
             rows = tree.size + (extra if index == len(trees) - 1 else 0)
-            inputs, past = self._batch_inputs[index], cache.get_seq_length()
-            if self.exact:
-                tree_ids, tree_positions, plan = inputs.fill_exact(tree, past, rows)
-                segments.append(Segment(start, start + rows, None, cache, plan))
-            else:
-                tree_ids, tree_positions, mask = inputs.fill(tree, past, rows)
-                segments.append(Segment(start, start + rows, mask, cache))
+            tree_ids, tree_positions, mask, plan = self._tree_inputs(self._batch_inputs[index], tree,
+                                                                     cache.get_seq_length(), rows)
+            segments.append(Segment(start, start + rows, mask, cache, plan))
             ids.append(tree_ids)
             positions.append(tree_positions)
             keep.extend(range(start, start + tree.size))
