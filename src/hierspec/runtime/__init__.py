@@ -373,9 +373,9 @@ class Runtime:
 
     def _tree_inputs(self, inputs: TreeInputs, tree, past: int, rows: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, ExactPlan | None]:
-        """A tree forward's ids and positions with, for the owned decoder's exact attention, the rows' plan made from
-        the tree (no mask), else the mask (no plan)."""
-        if self.decoder is not None and self.exact:
+        """A tree forward's ids and positions with, for exact attention (only ever on the owned decoder: checked at
+        construction), the rows' plan made from the tree (no mask), else the mask (no plan)."""
+        if self.exact:
             ids, positions, plan = inputs.fill_exact(tree, past, rows)
             return ids, positions, None, plan
         ids, positions, mask = inputs.fill(tree, past, rows)

@@ -228,7 +228,7 @@ class LlamaFamilyDecoder:
         ``ids`` and ``positions`` are ``[1, rows]``, ``mask`` the runtime's boolean ``[1, 1, rows or groups * rows,
         width]``, or ``None`` when the rows are a prompt on an empty cache (causal attention, one call per layer that
         skips the masked half); every layer's keys and values go into ``cache`` through its layer's ``update``.
-        ``exact`` (not with ``mask`` ``None``): attention
+        ``exact`` (with a ``mask`` or a ``plan``, not for a causal prompt): attention
         by :func:`~hierspec.runtime.exact_attention.exact_attention` (a row's result independent of the tree's
         layout); ``plan`` (exact only) stands in for ``mask``: :meth:`ExactPlan.of_tree`.
         """
