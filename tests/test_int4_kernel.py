@@ -527,17 +527,18 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
         q._timed_choice.cache_clear()
 
 
-def test_auto_leaves_the_vnni_products_out_where_the_amx_tiles_run(monkeypatch):
+def test_auto_times_the_one_code_integer_products_and_leaves_them_out_where_the_amx_tiles_run(monkeypatch):
     candidates = []
     monkeypatch.setattr(q, "_timed_choice", lambda threads, names: candidates.append(names) or q.Int4Kernels(
         names[-1], names[-1]))
-    for name in ("amx", "bf16", "vnni", "compiled"):
+    for name in ("amx", "bf16", "vnni", "vnni8", "compiled"):
         monkeypatch.setattr(k, f"{name}_reason" if name != "compiled" else "compiled_kernel",
                             (lambda: None) if name != "compiled" else (lambda: (object(), None)))
     monkeypatch.setattr(q, "kernel_reason", lambda: None)
     assert q.resolve_kernel("auto")[0] is not None and candidates[-1] == ("torch", "compiled", "amx", "bf16")
     monkeypatch.setattr(k, "amx_reason", lambda: "no tiles")
-    assert q.resolve_kernel("auto")[0] is not None and candidates[-1] == ("torch", "compiled", "bf16", "vnni")
+    assert q.resolve_kernel("auto") == (q.Int4Kernels("vnni8", "vnni8"), None)
+    assert candidates[-1] == ("torch", "compiled", "bf16", "vnni8")  # two codes per row never timed by auto
     assert q.resolve_kernel("vnni")[0] == q.Int4Kernels("vnni", "vnni")  # asked for by name, it runs
 
 

@@ -42,9 +42,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "decoded once, 8 rows a pass; bfloat16 rows), vnni (hierspec's own integer "
                             "dot products, AVX512-VNNI or AVX2: the codes multiplied as integers, rows as two 8-bit "
                             "codes per input, ~15 bits), vnni8 (the same with rows as one 8-bit code per input, "
-                            "llama.cpp's activation precision: half the dot products, trees and batches cheaper; "
-                            "never chosen by auto) or auto (the default: the fastest here for each weight form of "
-                            "compiled, torch, amx, bf16 and vnni, timed once per machine and kept)")
+                            "llama.cpp's activation precision: half the dot products, trees and batches cheaper) or "
+                            "auto (the default: the fastest here for each weight form of compiled, torch, amx, bf16 "
+                            "and vnni8, timed once per machine and kept; vnni's two codes only when asked for)")
     group.add_argument("--prompt-kernel", default="auto", choices=["auto", "expanded", "vnni", "vnni8"],
                        help="the products that read a prompt on the int4 path: vnni8 (the integer products' weights, "
                             "rows as one 8-bit code per input: llama.cpp's precision, the fastest on AVX512-VNNI and "

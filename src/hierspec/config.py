@@ -140,7 +140,8 @@ class ModelConfig:
             Haswell on — with the same results: the codes multiplied as integers by each row rounded to two 8-bit
             codes an input, ~15 bits per 32 inputs; 12 rows a pass, 8 on AVX2) or ``"vnni8"`` (the same with each
             row rounded to one 8-bit code an input, llama.cpp's activation precision: half the dot products, so trees
-            and batches cost less; never chosen by ``auto``).
+            and batches cost less; ``auto``'s integer products since the thirty-second session, ``vnni`` only when
+            asked for).
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
             layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
             model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do

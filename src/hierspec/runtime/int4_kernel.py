@@ -69,12 +69,14 @@ GROUP = 32
 KERNEL_CHOICES = ("auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8")
 #: hierspec's own kernels, built here (their cost curves are their own)
 OWN_KERNELS = ("compiled", "amx", "bf16", "vnni", "vnni8")
-#: the kernels ``auto`` chooses among (each where it runs): never ``vnni8``, whose rows are coarser (one 8-bit code
-#: an input, llama.cpp's activation precision), only where asked for
-KERNELS = ("torch", "compiled", "amx", "bf16", "vnni")
-#: kernels ``auto`` leaves out where another one runs: the AVX512-VNNI products where the AMX tiles run (16 rows for
+#: the kernels ``auto`` chooses among (each where it runs). Its integer products take rows as one 8-bit code an input
+#: (``vnni8``: llama.cpp's activation precision, the prompts' since the twenty-eighth session); ``vnni``'s two codes
+#: only where asked for: twice the dot products a row, so every tree and batch row costs more, for closer agreement
+#: with float32 rows only where the top two logits nearly tie (BENCHMARKS.md, "Thirty-second session")
+KERNELS = ("torch", "compiled", "amx", "bf16", "vnni8")
+#: kernels ``auto`` leaves out where another one runs: the integer products where the AMX tiles run (16 rows for
 #: ~1.4x one there; ``auto`` times 1 and 4 rows only, and the two have not been measured side by side on an AMX CPU)
-AUTO_DEFERS = {"vnni": "amx"}
+AUTO_DEFERS = {"vnni8": "amx"}
 #: row counts the automatic choice times each kernel at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)

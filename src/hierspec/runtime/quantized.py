@@ -462,8 +462,9 @@ except AttributeError:  # a PyTorch without it: kernel_reason() says so and the 
 
 def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None]:
     """``(kernels, None)`` — which kernel runs each weight form for ``choice`` (``"auto"``, ``"compiled"``,
-    ``"torch"``, ``"amx"``, ``"bf16"`` or ``"vnni"``) — or ``(None, reason)`` when the asked kernel (with ``auto``:
-    every one) cannot run here.
+    ``"torch"``, ``"amx"``, ``"bf16"``, ``"vnni"`` or ``"vnni8"``) — or ``(None, reason)`` when the asked kernel (with
+    ``auto``: every one) cannot run here. ``auto`` chooses among :data:`~hierspec.runtime.int4_kernel.KERNELS`
+    (its integer products ``vnni8``'s, rows as one 8-bit code an input).
 
     A kernel's name runs both forms on it. ``auto`` takes the only one that works (leaving out those
     :data:`~hierspec.runtime.int4_kernel.AUTO_DEFERS` names where their stronger peer runs), or, when several do, the
