@@ -83,8 +83,9 @@ CHOICE_ROWS = (1, 4)
 CHOICE_SHAPE = (3072, 576)
 #: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
 #: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too; 5: the AVX512-VNNI ones too; 6: the integer
-#: products on AVX2 CPUs too); a file of another version is timed again
-CHOICE_VERSION = 6
+#: products on AVX2 CPUs too; 7: the integer products with rows as one code, ``vnni8``, instead of two); a file of
+#: another version is timed again
+CHOICE_VERSION = 7
 
 
 @dataclass(frozen=True)
