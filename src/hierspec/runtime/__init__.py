@@ -98,8 +98,8 @@ class RuntimeConfig:
             ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact, other branches' nodes may differ in the
             last bits, which flipped near-ties on a Zen 4) or ``"exact"`` (:mod:`~hierspec.runtime.exact_attention`:
             every tree row bit-identical to plain decoding; needs hierspec's own decoder, an error otherwise).
-        int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``
-            or ``"vnni"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
+        int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``,
+            ``"vnni"`` or ``"vnni8"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
         kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
             path), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
         requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
