@@ -78,3 +78,23 @@ def test_the_avx2_build_of_the_integer_products_equals_their_model_and_this_cpus
         if count > 1:  # each row as alone
             assert torch.equal(got[-1:], product(x[-1:].contiguous(), packed.codes, packed.scales, packed.bias,
                                                  packed.units))
+
+
+@pytest.mark.parametrize("one_code", [False, True], ids=["two-codes", "one-code"])
+def test_the_avx2_build_rounds_each_row_exactly_as_vnni_rounded_says(avx2, one_code):
+    """An identity weight (8-bit code 1 at scale 1) returns the rounded rows themselves: the AVX2 build's vector
+    rounding (four 8-lane vectors a step, packed back into input order) gives the model's codes bit for bit — ties
+    to even, a step of zeros, a step whose scale is 1, inputs of every magnitude, for any number of rows."""
+    generator = torch.Generator().manual_seed(31)
+    rows = torch.randn(21, 96, generator=generator) * torch.logspace(-3, 3, 96)
+    rows[3, 32:64] = 0
+    rows[4, :6] = torch.tensor([0.5, -0.5, 1.5, 2.5 + 1 / 128, 127.0, -126.5])  # the step's scale is 1
+    identity = k.pack_vnni_int8(torch.eye(96, dtype=torch.int8), torch.ones(96, 6), one_code=one_code)
+    name = "int4_vnni8_mm" if one_code else "int4_vnni_mm"
+    for count in (1, 2, 21):
+        x = rows[:count].contiguous()
+        got = getattr(avx2, name)(x, identity.codes, identity.scales, identity.bias, identity.units)
+        assert torch.equal(got, k.vnni_rounded(x, one_code=one_code).float()), count
+    if one_code:
+        assert got[4, :6].tolist() == [0.0, -0.0, 2.0, 3.0, 127.0, -126.0]
+    assert got[3, 32:64].abs().max() == 0
