@@ -124,6 +124,25 @@ inline vf silu_times(vf g, vf u) {
   return g * sigmoid * u;
 }
 
+// sum + other, written into `sum` (a product's own output) and returned: each element's one float32 addition, the
+// same bits as ATen's `other + sum` (addition commutes exactly) without its dispatch and a new tensor — two a layer
+// (BENCHMARKS.md, "Thirty-third session"). Other layouts go through ATen.
+torch::Tensor add_into(torch::Tensor sum, const torch::Tensor& other) {
+  if (!(sum.is_contiguous() && other.is_contiguous() && sum.sizes() == other.sizes() &&
+        sum.scalar_type() == torch::kFloat32 && other.scalar_type() == torch::kFloat32))
+    return other + sum;
+  float* s = sum.data_ptr<float>();
+  const float* o = other.data_ptr<float>();
+  const int64_t count = sum.numel();
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    const vf v = load(o + i) + load(s + i);
+    std::memcpy(s + i, &v, sizeof v);
+  }
+  for (; i < count; ++i) s[i] = o[i] + s[i];
+  return sum;
+}
+
 }  // namespace
 
 // silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product)
@@ -202,8 +221,8 @@ torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attend
                         const std::vector<std::vector<torch::Tensor>>& gate_up,
                         const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
   const c10::optional<torch::Tensor> none;
-  const auto residual = hidden + project(attended, out, none);
+  const auto residual = add_into(project(attended, out, none), hidden);
   const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
   const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate));
-  return residual + project(act, down, none);
+  return add_into(project(act, down, none), residual);
 }
