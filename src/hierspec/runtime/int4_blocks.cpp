@@ -77,6 +77,22 @@ torch::Tensor project(const torch::Tensor& rows, const std::vector<std::vector<t
 // each rounded (as PyTorch's element-wise operations compute it, and the Python decoder with them).
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
+// out[d] = in[d] cos[d] + in[d + shift] sin[d] for d in [from, to): whole vectors, then one element at a time (each
+// element's two products and sum rounded alike either way)
+inline void rotate_half(const float* __restrict in, const float* __restrict cos, const float* __restrict sin,
+                        int64_t from, int64_t to, int64_t shift, float* __restrict out) {
+  int64_t d = from;
+  for (; d + kLanes <= to; d += kLanes) {
+    const vf a = load(in + d) * load(cos + d), b = load(in + d + shift) * load(sin + d);
+    const vf sum = a + b;
+    std::memcpy(out + d, &sum, sizeof sum);
+  }
+  for (; d < to; ++d) {
+    const float a = in[d] * cos[d], b = in[d + shift] * sin[d];
+    out[d] = a + b;
+  }
+}
+
 std::vector<torch::Tensor> rotate_heads(const torch::Tensor& product, const torch::Tensor& cos,
                                         const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t rows = product.size(0), width = (heads + 2 * kv_heads) * dim, half = dim / 2;
@@ -86,26 +102,23 @@ std::vector<torch::Tensor> rotate_heads(const torch::Tensor& product, const torc
   auto key = torch::empty({1, kv_heads, rows, dim}, product.options());
   auto value = torch::empty({1, kv_heads, rows, dim}, product.options());
   const float* x = product.data_ptr<float>();
+  const float* cos_rows = c.data_ptr<float>();
+  const float* sin_rows = s.data_ptr<float>();
+  float* const outs[3] = {query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>()};
   for (int64_t r = 0; r < rows; ++r) {
-    const float* cr = c.data_ptr<float>() + r * dim;
-    const float* sr = s.data_ptr<float>() + r * dim;
+    const float* cr = cos_rows + r * dim;
+    const float* sr = sin_rows + r * dim;
     for (int64_t h = 0; h < heads + 2 * kv_heads; ++h) {
       const float* in = x + r * width + h * dim;
-      float* out = h < heads ? query.data_ptr<float>() + (h * rows + r) * dim
-                   : h < heads + kv_heads ? key.data_ptr<float>() + ((h - heads) * rows + r) * dim
-                                          : value.data_ptr<float>() + ((h - heads - kv_heads) * rows + r) * dim;
-      if (h >= heads + kv_heads) {
+      const int which = h < heads ? 0 : h < heads + kv_heads ? 1 : 2;
+      const int64_t head = h - (which == 0 ? 0 : which == 1 ? heads : heads + kv_heads);
+      float* out = outs[which] + (head * rows + r) * dim;
+      if (which == 2) {
         std::memcpy(out, in, dim * sizeof(float));
         continue;
       }
-      for (int64_t d = 0; d < half; ++d) {
-        const float a = in[d] * cr[d], b = in[d + half] * sr[d];
-        out[d] = a + b;
-      }
-      for (int64_t d = half; d < dim; ++d) {
-        const float a = in[d] * cr[d], b = in[d - half] * sr[d];
-        out[d] = a + b;
-      }
+      rotate_half(in, cr, sr, 0, half, half, out);    // x[d] cos[d] + x[d + half] sin[d]
+      rotate_half(in, cr, sr, half, dim, -half, out);  // x[d] cos[d] + x[d - half] sin[d]
     }
   }
   return {query, key, value};
