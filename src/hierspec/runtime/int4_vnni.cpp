@@ -174,13 +174,17 @@ inline RowStep round_step(const float* x, int8_t* out) {
   return {d / 128.f, static_cast<float>(first + second), -128 * first, -128 * second};
 }
 #else
+// 8 inputs' codes within +-127: round(x times 1 / d)
+inline __m256i clamped_codes(__m256 scaled) {
+  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
+  return _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(scaled)));
+}
+
 // 8 inputs' high and low codes, as the AVX-512 build's split computes them lane by lane
 inline void split(__m256 x, __m256 d, __m256 inverse, __m256i& high, __m256i& low) {
-  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
-  high = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(x, inverse))));
+  high = clamped_codes(_mm256_mul_ps(x, inverse));
   const __m256 rest = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(high), d, x);
-  low = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(
-                                     _mm256_mul_ps(rest, _mm256_mul_ps(inverse, _mm256_set1_ps(128.f))))));
+  low = clamped_codes(_mm256_mul_ps(rest, _mm256_mul_ps(inverse, _mm256_set1_ps(128.f))));
 }
 
 // A step's 32 inputs as four vectors, and its d = max |x| / 127 (a maximum is exact in any order: the AVX-512
@@ -254,10 +258,8 @@ inline RowStep round_step_one(const float* x, int8_t* out) {
 inline RowStep round_step_one(const float* x, int8_t* out) {
   const StepInputs in = step_inputs(x);
   const __m256 inverse = _mm256_set1_ps(in.d > 0.f ? 1.f / in.d : 0.f);
-  const __m256i top = _mm256_set1_epi32(127), bottom = _mm256_set1_epi32(-127);
   __m256i high[4];
-  for (int i = 0; i < 4; ++i)
-    high[i] = _mm256_max_epi32(bottom, _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_mul_ps(in.v[i], inverse))));
+  for (int i = 0; i < 4; ++i) high[i] = clamped_codes(_mm256_mul_ps(in.v[i], inverse));
   store_codes(out, high);
   const int32_t first = int_lane_sum(_mm256_add_epi32(high[0], high[1]));
   const int32_t second = int_lane_sum(_mm256_add_epi32(high[2], high[3]));
