@@ -105,14 +105,14 @@ std::vector<torch::Tensor> rotate_heads(const torch::Tensor& product, const torc
   const float* cos_rows = c.data_ptr<float>();
   const float* sin_rows = s.data_ptr<float>();
   float* const outs[3] = {query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>()};
+  const int64_t firsts[3] = {0, heads, heads + kv_heads};  // the product's first head of each
   for (int64_t r = 0; r < rows; ++r) {
     const float* cr = cos_rows + r * dim;
     const float* sr = sin_rows + r * dim;
     for (int64_t h = 0; h < heads + 2 * kv_heads; ++h) {
       const float* in = x + r * width + h * dim;
       const int which = h < heads ? 0 : h < heads + kv_heads ? 1 : 2;
-      const int64_t head = h - (which == 0 ? 0 : which == 1 ? heads : heads + kv_heads);
-      float* out = outs[which] + (head * rows + r) * dim;
+      float* out = outs[which] + ((h - firsts[which]) * rows + r) * dim;
       if (which == 2) {
         std::memcpy(out, in, dim * sizeof(float));
         continue;
