@@ -1,11 +1,11 @@
 // The integer (VNNI) products alone, for tests/test_vnni_avx2.py: int4_vnni.cpp built for another instruction set
 // (its AVX2 path on a CPU with AVX-512) and compared with the extension hierspec builds for this CPU.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
-torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias, const torch::Tensor& units);
-torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                            const torch::Tensor& bias, const torch::Tensor& units);
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                        const at::Tensor& units);
+at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                         const at::Tensor& units);
 bool vnni_ready();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -4,7 +4,7 @@
 // per layer with index_select and a slice copy that is 120 small PyTorch operations for SmolLM2 (~0.5 ms a step on
 // an Intel Xeon, ~4 % of a speculative step); here it is a few row copies per buffer.
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -16,8 +16,8 @@
 // start + i in every (batch, head) row; offsets: int64, strictly ascending, offsets[i] >= i, start + offsets[-1]
 // inside the capacity. A source is always at or after its destination and after every earlier destination, so the
 // copies run in order without overwriting an entry still to be read.
-void keep_entries(const std::vector<torch::Tensor>& buffers, int64_t start, const torch::Tensor& offsets) {
-  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 && offsets.is_contiguous(),
+void keep_entries(const std::vector<at::Tensor>& buffers, int64_t start, const at::Tensor& offsets) {
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous(),
               "offsets: a contiguous int64 vector");
   const int64_t count = offsets.size(0);
   const int64_t* off = offsets.data_ptr<int64_t>();

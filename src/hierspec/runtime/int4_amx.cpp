@@ -18,8 +18,9 @@
 // number of rows, how they are split into tiles or how the outputs are split between threads
 // (tests/test_int4_kernel.py).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -284,12 +285,11 @@ bool amx_ready() {
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 256] (4-bit form) or int8 [1, N / 16, K / 32, 512] (8-bit
 // form); scale: float32 or float16 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: the scale's dtype
 // [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
-torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& bias) {
+at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
   TORCH_CHECK(amx_ready(), "the AMX product is not available in this build or process");
   const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kTiles);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;  // nothing to multiply (and no tile of 0 columns to configure)
 #ifdef HIERSPEC_AMX
   const int64_t cols = std::min(rows, kTileCols);

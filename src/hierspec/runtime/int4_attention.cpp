@@ -14,7 +14,8 @@
 // the same stored values.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -286,14 +287,13 @@ void attend_task(const Operands<T>& o, int64_t row, int64_t head, Scratch<T>& s)
     for (int64_t d = 0; d < dim; ++d) s.outs[g][d] = s.outs[g][d] / s.totals[g];
 }
 
-void check_int64(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.is_contiguous(), name,
-              ": a contiguous int64 vector");
+void check_int64(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous(), name, ": a contiguous int64 vector");
 }
 
 // Every slot and block a call reads or writes is inside the buffers (a wrong plan fails here, not in memory)
-void check_plan(const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                const torch::Tensor& write_blocks, const torch::Tensor& write_slots, int64_t rows, int64_t buffers,
+void check_plan(const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& blocks,
+                const at::Tensor& write_blocks, const at::Tensor& write_slots, int64_t rows, int64_t buffers,
                 int64_t slots, int64_t kv_heads) {
   for (const auto& [t, name] : {std::pair{&indptr, "indptr"}, {&indices, "indices"}, {&blocks, "blocks"},
                                 {&write_blocks, "write_blocks"}, {&write_slots, "write_slots"}})
@@ -340,7 +340,7 @@ inline bool write_entry(uint16_t* to, const float* from, int64_t dim) {
 
 // rows_in [1, kv_heads, rows, dim] into buffer block write_blocks[r] + h, slot write_slots[r]
 template <typename T>
-void write_rows(const torch::Tensor& rows_in, T* buffer, const int64_t* write_blocks, const int64_t* write_slots,
+void write_rows(const at::Tensor& rows_in, T* buffer, const int64_t* write_blocks, const int64_t* write_slots,
                 int64_t slots) {
   const auto states = rows_in.stride(3) == 1 ? rows_in : rows_in.contiguous();
   const int64_t heads = states.size(1), rows = states.size(2), dim = states.size(3);
@@ -356,10 +356,10 @@ void write_rows(const torch::Tensor& rows_in, T* buffer, const int64_t* write_bl
 
 // The rows' keys and values written, then every (row, kv head) task attended, over cache buffers of T
 template <typename T>
-void attend_rows(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, T* keys, T* values,
-                 int64_t buffer_slots, const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                 const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                 int64_t kv_heads, double scale, torch::Tensor& out) {
+void attend_rows(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, T* keys, T* values,
+                 int64_t buffer_slots, const at::Tensor& write_blocks, const at::Tensor& write_slots,
+                 const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& blocks, int64_t kv_heads,
+                 double scale, at::Tensor& out) {
   write_rows(key, keys, write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(), buffer_slots);
   write_rows(value, values, write_blocks.data_ptr<int64_t>(), write_slots.data_ptr<int64_t>(), buffer_slots);
   const int64_t rows = q.size(2), heads = q.size(1), dim = q.size(3);
@@ -382,11 +382,11 @@ void attend_rows(const torch::Tensor& q, const torch::Tensor& key, const torch::
 namespace {
 
 // The argument checks of exact_attention but the plan's (check_plan, which reads every index)
-void check_operands(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                    const torch::Tensor& keys, const torch::Tensor& values) {
+void check_operands(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& keys,
+                    const at::Tensor& values) {
   for (const auto* t : {&query, &key, &value})
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32, "exact_attention reads float32 queries, keys and values");
-  TORCH_CHECK((keys.scalar_type() == torch::kHalf || keys.scalar_type() == torch::kFloat32) &&
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "exact_attention reads float32 queries, keys and values");
+  TORCH_CHECK((keys.scalar_type() == at::kHalf || keys.scalar_type() == at::kFloat) &&
                   values.scalar_type() == keys.scalar_type(),
               "exact_attention's cache buffers: float32 or float16, both alike");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && query.size(0) == 1,
@@ -399,14 +399,14 @@ void check_operands(const torch::Tensor& query, const torch::Tensor& key, const 
 }
 
 // exact_attention once its arguments and plan are checked
-torch::Tensor attend_checked(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                             const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
-                             const torch::Tensor& write_slots, const torch::Tensor& indptr,
-                             const torch::Tensor& indices, const torch::Tensor& blocks, double scale) {
+at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                          const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                          const at::Tensor& blocks, double scale) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
   const auto q = query.stride(3) == 1 ? query : query.contiguous();
-  auto out = torch::empty({rows, heads * dim}, query.options());
-  if (keys.scalar_type() == torch::kHalf)
+  auto out = at::empty({rows, heads * dim}, query.options());
+  if (keys.scalar_type() == at::kHalf)
     attend_rows(q, key, value, reinterpret_cast<uint16_t*>(keys.data_ptr<at::Half>()),
                 reinterpret_cast<uint16_t*>(values.data_ptr<at::Half>()), keys.size(1), write_blocks, write_slots,
                 indptr, indices, blocks, kv_heads, scale, out);
@@ -424,10 +424,10 @@ torch::Tensor attend_checked(const torch::Tensor& query, const torch::Tensor& ke
 // write_blocks[r] + h and slot write_slots[r] (rounded to float16 there); then row r's query head j = h * groups + g
 // attends block blocks[r] + h at the slots indices[indptr[r] : indptr[r + 1]] (ascending) -> float32
 // [rows, heads * dim].
-torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                              const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
-                              const torch::Tensor& write_slots, const torch::Tensor& indptr,
-                              const torch::Tensor& indices, const torch::Tensor& blocks, double scale) {
+at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                           const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                           const at::Tensor& blocks, double scale) {
   check_operands(query, key, value, keys, values);
   check_plan(indptr, indices, blocks, write_blocks, write_slots, query.size(2), keys.size(0), keys.size(1),
              key.size(1));
@@ -438,12 +438,11 @@ namespace {
 
 // One int4 layer once its plan is checked: attention_inputs, the rows' keys and values written and attended
 // exactly over the cache buffers, mlp_block (exact_layer and every layer of ExactLayerStack::forward)
-torch::Tensor planned_layer(const torch::Tensor& hidden, const ExactLayerWeights& w, double eps,
-                            const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads,
-                            int64_t kv_heads, int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
-                            const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                            const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                            double scale) {
+at::Tensor planned_layer(const at::Tensor& hidden, const ExactLayerWeights& w, double eps, const at::Tensor& cos,
+                         const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim,
+                         const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                         const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                         const at::Tensor& blocks, double scale) {
   const auto inputs = attention_inputs(hidden, w.norm1, eps, w.qkv, w.bias, cos, signed_sin, heads, kv_heads, dim);
   check_operands(inputs[0], inputs[1], inputs[2], keys, values);
   const auto attended = attend_checked(inputs[0], inputs[1], inputs[2], keys, values, write_blocks, write_slots,
@@ -456,20 +455,20 @@ torch::Tensor planned_layer(const torch::Tensor& hidden, const ExactLayerWeights
 ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim)
     : eps_(eps), scale_(scale), heads_(heads), kv_heads_(kv_heads), dim_(dim) {}
 
-void ExactLayerStack::add(const torch::Tensor& norm1, const std::vector<std::vector<torch::Tensor>>& qkv,
-                          const c10::optional<torch::Tensor>& bias, const torch::Tensor& norm2,
-                          const std::vector<std::vector<torch::Tensor>>& out,
-                          const std::vector<std::vector<torch::Tensor>>& gate_up,
-                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
+void ExactLayerStack::add(const at::Tensor& norm1, const std::vector<std::vector<at::Tensor>>& qkv,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& norm2,
+                          const std::vector<std::vector<at::Tensor>>& out,
+                          const std::vector<std::vector<at::Tensor>>& gate_up,
+                          const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate) {
   layers_.push_back(ExactLayerWeights{norm1, qkv, bias, norm2, out, gate_up, down, intermediate});
 }
 
 // The plan is checked once, against the first layer's buffers, which every layer's must equal in shape.
-torch::Tensor ExactLayerStack::forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                                       const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                                       const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                                       const torch::Tensor& indptr, const torch::Tensor& indices,
-                                       const torch::Tensor& blocks) const {
+at::Tensor ExactLayerStack::forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                                    const at::Tensor& write_blocks, const at::Tensor& write_slots,
+                                    const at::Tensor& indptr, const at::Tensor& indices,
+                                    const at::Tensor& blocks) const {
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size(), "one key and value buffer per layer");
   TORCH_CHECK(!layers_.empty(), "a stack without layers");
   for (size_t i = 0; i < layers_.size(); ++i)
@@ -484,16 +483,15 @@ torch::Tensor ExactLayerStack::forward(torch::Tensor hidden, const torch::Tensor
 }
 
 // One int4 layer with exact attention: its plan checked, then planned_layer.
-torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
-                          const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,
-                          const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                          int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
-                          const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                          const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                          double scale, const torch::Tensor& norm2,
-                          const std::vector<std::vector<torch::Tensor>>& out,
-                          const std::vector<std::vector<torch::Tensor>>& gate_up,
-                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
+at::Tensor exact_layer(const at::Tensor& hidden, const at::Tensor& norm1, double eps,
+                       const std::vector<std::vector<at::Tensor>>& qkv, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& cos, const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
+                       int64_t dim, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                       const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                       const at::Tensor& blocks, double scale, const at::Tensor& norm2,
+                       const std::vector<std::vector<at::Tensor>>& out,
+                       const std::vector<std::vector<at::Tensor>>& gate_up,
+                       const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate) {
   TORCH_CHECK(keys.dim() == 3, "keys, values: contiguous [blocks, slots, dim]");
   check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys.size(0), keys.size(1), kv_heads);
   return planned_layer(hidden, ExactLayerWeights{norm1, qkv, bias, norm2, out, gate_up, down, intermediate}, eps, cos,

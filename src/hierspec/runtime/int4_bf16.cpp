@@ -16,8 +16,9 @@
 // the number of rows, how they are grouped into passes or how the blocks are split between threads
 // (tests/test_int4_kernel.py).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -160,12 +161,11 @@ bool bf16_ready() {
 // x: float32 [M, K]; codes: uint8 [1, N / 16, 8, K / 32, 32] (4-bit form) or int8 [1, N / 16, 8, K / 32, 64]
 // (8-bit form); scale: float32 or float16 [1, N / 16, K / 32, 16] or [1, N / 16, K / 16, 16]; bias: the scale's
 // dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one. Returns float32 [M, N].
-torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias) {
+at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
   TORCH_CHECK(bf16_ready(), "the AVX512-BF16 product is not available in this build");
   const TileShape shape = checked_tiles(x, codes, scale, bias, CodeLayout::kPairs);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
 #ifdef HIERSPEC_BF16_TILES
   thread_local std::vector<uint16_t> inputs;

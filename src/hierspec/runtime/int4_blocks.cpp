@@ -9,7 +9,11 @@
 // ~10 ATen calls a layer (BENCHMARKS.md, "Eighteenth session").
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>
@@ -19,18 +23,6 @@
 
 #include "int4_layers.h"
 #include "int4_vectors.h"
-
-torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                      const torch::Tensor& bias);
-torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale);
-torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& bias);
-torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias);
-torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias, const torch::Tensor& units);
-torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                            const torch::Tensor& bias, const torch::Tensor& units);
 
 namespace {
 
@@ -45,30 +37,30 @@ using hierspec_int4::vf;
 // codes, scales, bias}, the AMX products {4-D codes, scales, bias}, the compiled 8-bit product {int8 codes, scales},
 // the compiled 4-bit one {uint8 codes [P, N, K / 2], scales, bias}, or PyTorch's kernel {packed [N, K / 2], table}
 // per pass.
-torch::Tensor stack_product(const torch::Tensor& rows, const std::vector<torch::Tensor>& stack) {
+at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& stack) {
   if (stack[0].dim() == 6)
     return (stack.size() == 5 ? int4_vnni8_mm : int4_vnni_mm)(rows.contiguous(), stack[0], stack[1], stack[2],
                                                               stack[3]);
   if (stack[0].dim() == 5) return int4_bf16_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
   if (stack[0].dim() == 4) return int4_amx_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
-  if (stack[0].scalar_type() == torch::kInt8) return int8_mm(rows.contiguous(), stack[0], stack[1]);
+  if (stack[0].scalar_type() == at::kChar) return int8_mm(rows.contiguous(), stack[0], stack[1]);
   if (stack[0].dim() == 3) return int4_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
-  const auto inputs = rows.to(torch::kBFloat16).contiguous();
-  auto product = at::_weight_int4pack_mm_for_cpu(inputs, stack[0], 32, stack[1]).to(torch::kFloat32);
+  const auto inputs = rows.to(at::kBFloat16).contiguous();
+  auto product = at::_weight_int4pack_mm_for_cpu(inputs, stack[0], 32, stack[1]).to(at::kFloat);
   for (size_t i = 2; i < stack.size(); i += 2)
     product += at::_weight_int4pack_mm_for_cpu(inputs, stack[i], 32, stack[i + 1]);
   return product;
 }
 
 // A projection: its stacks side by side, plus the float32 bias where it has one (an undefined tensor otherwise).
-torch::Tensor project(const torch::Tensor& rows, const std::vector<std::vector<torch::Tensor>>& stacks,
-                      const c10::optional<torch::Tensor>& bias) {
+at::Tensor project(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
+                   const c10::optional<at::Tensor>& bias) {
   auto product = stacks.size() == 1 ? stack_product(rows, stacks[0]) : [&] {
-    std::vector<torch::Tensor> parts;
+    std::vector<at::Tensor> parts;
     for (const auto& stack : stacks) parts.push_back(stack_product(rows, stack));
-    return torch::cat(parts, -1);
+    return at::cat(parts, -1);
   }();
-  if (bias.has_value()) product = product + *bias;
+  if (bias.has_value()) product = product.add(*bias);
   return product;
 }
 
@@ -93,14 +85,14 @@ inline void rotate_half(const float* __restrict in, const float* __restrict cos,
   }
 }
 
-std::vector<torch::Tensor> rotate_heads(const torch::Tensor& product, const torch::Tensor& cos,
-                                        const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim) {
+std::vector<at::Tensor> rotate_heads(const at::Tensor& product, const at::Tensor& cos, const at::Tensor& signed_sin,
+                                     int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t rows = product.size(0), width = (heads + 2 * kv_heads) * dim, half = dim / 2;
   TORCH_CHECK(product.is_contiguous() && product.size(1) == width && dim % 2 == 0, "q/k/v product: [rows, width]");
   const auto c = cos.reshape({rows, dim}).contiguous(), s = signed_sin.reshape({rows, dim}).contiguous();
-  auto query = torch::empty({1, heads, rows, dim}, product.options());
-  auto key = torch::empty({1, kv_heads, rows, dim}, product.options());
-  auto value = torch::empty({1, kv_heads, rows, dim}, product.options());
+  auto query = at::empty({1, heads, rows, dim}, product.options());
+  auto key = at::empty({1, kv_heads, rows, dim}, product.options());
+  auto value = at::empty({1, kv_heads, rows, dim}, product.options());
   const float* x = product.data_ptr<float>();
   const float* cos_rows = c.data_ptr<float>();
   const float* sin_rows = s.data_ptr<float>();
@@ -140,10 +132,10 @@ inline vf silu_times(vf g, vf u) {
 // sum + other, written into `sum` (a product's own output) and returned: each element's one float32 addition, the
 // same bits as ATen's `other + sum` (addition commutes exactly) without its dispatch and a new tensor — two a layer
 // (BENCHMARKS.md, "Thirty-third session"). Other layouts go through ATen.
-torch::Tensor add_into(torch::Tensor sum, const torch::Tensor& other) {
+at::Tensor add_into(at::Tensor sum, const at::Tensor& other) {
   if (!(sum.is_contiguous() && other.is_contiguous() && sum.sizes() == other.sizes() &&
-        sum.scalar_type() == torch::kFloat32 && other.scalar_type() == torch::kFloat32))
-    return other + sum;
+        sum.scalar_type() == at::kFloat && other.scalar_type() == at::kFloat))
+    return other.add(sum);
   float* s = sum.data_ptr<float>();
   const float* o = other.data_ptr<float>();
   const int64_t count = sum.numel();
@@ -159,12 +151,12 @@ torch::Tensor add_into(torch::Tensor sum, const torch::Tensor& other) {
 }  // namespace
 
 // silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product)
-torch::Tensor silu_product(const torch::Tensor& gate, const torch::Tensor& up) {
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == torch::kFloat32 &&
-                  up.scalar_type() == torch::kFloat32 && gate.stride(1) == 1 && up.stride(1) == 1,
+at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
+                  up.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1,
               "gate, up: float32 [rows, width] with contiguous rows");
   const int64_t rows = gate.size(0), width = gate.size(1);
-  auto act = torch::empty({rows, width}, gate.options());
+  auto act = at::empty({rows, width}, gate.options());
   const float* gates = gate.data_ptr<float>();
   const float* ups = up.data_ptr<float>();
   float* outs = act.data_ptr<float>();
@@ -194,11 +186,11 @@ torch::Tensor silu_product(const torch::Tensor& gate, const torch::Tensor& up) {
 
 // weight * hidden / sqrt(mean(hidden^2) + eps) per row of a contiguous float32 [rows, width]: the sum of squares in
 // vector lanes, in an order fixed by the width alone (a row's result does not depend on the rows beside it).
-torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == torch::kFloat32, "hidden: float32 [rows, width]");
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: float32 [rows, width]");
   const auto rows = hidden.contiguous();
   const int64_t count = rows.size(0), width = rows.size(1);
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -217,11 +209,10 @@ torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight,
 
 // Rotated queries and keys and the values [1, heads, rows, dim] of hidden [rows, hidden] (the decoder's
 // _attention_inputs after its input norm).
-std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
-                                            const std::vector<std::vector<torch::Tensor>>& qkv,
-                                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
-                                            const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim) {
+std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                                         const std::vector<std::vector<at::Tensor>>& qkv,
+                                         const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                                         const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t rows = hidden.size(0);
   const auto product = project(rms_norm(hidden, norm_weight, eps), qkv, bias);
   TORCH_CHECK(product.size(0) == rows, "q/k/v product rows");
@@ -229,11 +220,11 @@ std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const t
 }
 
 // The attention's output projection and residual, then the MLP block and its residual (the decoder's _mlp).
-torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
-                        double eps, const std::vector<std::vector<torch::Tensor>>& out,
-                        const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate) {
-  const c10::optional<torch::Tensor> none;
+at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& norm_weight, double eps,
+                     const std::vector<std::vector<at::Tensor>>& out,
+                     const std::vector<std::vector<at::Tensor>>& gate_up,
+                     const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate) {
+  const c10::optional<at::Tensor> none;
   const auto residual = add_into(project(attended, out, none), hidden);
   const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
   const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate));

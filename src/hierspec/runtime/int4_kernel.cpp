@@ -12,8 +12,9 @@
 // how the outputs are split between threads. A row's products are therefore bit-identical alone, in a chain or
 // anywhere in a tree. Needs AVX2 at least: elsewhere the build fails and the int4 path keeps PyTorch's kernel.
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -200,19 +201,19 @@ void rows_of_outputs(const Rows& rows, int64_t count, int64_t begin, int64_t end
 
 // x: float32 [M, K]; codes: uint8 [P, N, K / 2]; scale: float32 [P, N, K / 32]; bias: float32 [N, K / 32].
 // Returns float32 [M, N].
-torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                      const torch::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "codes: contiguous uint8 [P, N, K / 2]");
   const int64_t rows = x.size(0), k = x.size(1), passes = codes.size(0), n = codes.size(1), groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0 && codes.size(2) * 2 == k, "K must be a multiple of 32 and match the codes");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  scale.sizes() == torch::IntArrayRef({passes, n, groups}), "scale: contiguous float32 [P, N, K / 32]");
-  TORCH_CHECK(bias.is_contiguous() && bias.scalar_type() == torch::kFloat32 &&
-                  bias.sizes() == torch::IntArrayRef({n, groups}), "bias: contiguous float32 [N, K / 32]");
-  auto xsum = torch::empty({rows, groups}, x.options());
-  auto out = torch::empty({rows, n}, x.options());
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  scale.sizes() == at::IntArrayRef({passes, n, groups}),
+              "scale: contiguous float32 [P, N, K / 32]");
+  TORCH_CHECK(bias.is_contiguous() && bias.scalar_type() == at::kFloat && bias.sizes() == at::IntArrayRef({n, groups}),
+              "bias: contiguous float32 [N, K / 32]");
+  auto xsum = at::empty({rows, groups}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   float* sp = xsum.data_ptr<float>();
   for (int64_t i = 0; i < rows * groups; ++i) {
@@ -228,62 +229,20 @@ torch::Tensor int4_mm(const torch::Tensor& x, const torch::Tensor& codes, const 
 }
 
 // x: float32 [M, K]; codes: int8 [N, K]; scale: float32 [N, K / 16]. Returns float32 [M, N].
-torch::Tensor int8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous() &&
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous() &&
                   codes.size(1) == x.size(1) && x.size(1) % kGroup8 == 0,
               "codes: contiguous int8 [N, K], K a multiple of 16");
   const int64_t rows = x.size(0), k = x.size(1), n = codes.size(0);
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == torch::kFloat32 &&
-                  scale.sizes() == torch::IntArrayRef({n, k / kGroup8}), "scale: contiguous float32 [N, K / 16]");
-  auto out = torch::empty({rows, n}, x.options());
+  TORCH_CHECK(
+      scale.is_contiguous() && scale.scalar_type() == at::kFloat && scale.sizes() == at::IntArrayRef({n, k / kGroup8}),
+      "scale: contiguous float32 [N, K / 16]");
+  auto out = at::empty({rows, n}, x.options());
   const Weight8 w{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const Rows8 operands{w, xp, op};
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) { rows_of_outputs(operands, rows, begin, end); });
   return out;
-}
-
-// int4_amx.cpp
-bool amx_ready();
-torch::Tensor int4_amx_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                          const torch::Tensor& bias);
-// int4_bf16.cpp
-bool bf16_ready();
-torch::Tensor int4_bf16_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias);
-
-// int4_vnni.cpp
-bool vnni_ready();
-torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias, const torch::Tensor& units);
-torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                            const torch::Tensor& bias, const torch::Tensor& units);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
-  m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
-  m.def("amx_ready", &amx_ready, "whether the AMX products can run in this build and process");
-  m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
-  m.def("bf16_ready", &bf16_ready, "whether the AVX512-BF16 products can run in this build");
-  m.def("int4_bf16_mm", &int4_bf16_mm, "4-bit or 8-bit product of float32 rows by AVX512-BF16 dot products");
-  m.def("vnni_ready", &vnni_ready, "whether the integer (VNNI) products can run in this build");
-  m.def("int4_vnni_mm", &int4_vnni_mm,
-        "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
-  m.def("int4_vnni8_mm", &int4_vnni8_mm,
-        "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
-  m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
-  m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
-  m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");
-  m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
-  m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
-  m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
-  pybind11::class_<ExactLayerStack>(m, "ExactLayerStack")
-      .def(pybind11::init<double, double, int64_t, int64_t, int64_t>())
-      .def("add", &ExactLayerStack::add, "append the next layer's weights")
-      .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
-      .def("__len__", &ExactLayerStack::size);
-  m.def("row_topk", &row_topk, "each float32 row's NumPy argmax and k largest entries' indices, largest first");
-  m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
 }

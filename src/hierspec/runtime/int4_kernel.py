@@ -25,7 +25,7 @@ sources' headers), so a tree row's products equal the chain's. The layer halves 
 (:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
-about half a minute of compiling, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
+one to two minutes of compiling on two cores, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
 source, PyTorch's version and the CPU's model and flags (a binary built for one CPU is never loaded on another).
 After a build its products are checked against a float64 reference; where the compiler, ninja or the check fails,
 :func:`compiled_kernel` returns ``None`` with the reason and the int4 path keeps PyTorch's kernel.
@@ -49,14 +49,12 @@ from hierspec.storage import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-#: the product (``int4_kernel.cpp``, with the bindings), the layer halves around attention (``int4_blocks.cpp``), the
-#: AMX, AVX512-BF16 and integer (VNNI) products, the compiled layers' exact attention, the verifier's row top-k and the
-#: cache's path move
-SOURCES = (Path(__file__).with_name("int4_kernel.cpp"), Path(__file__).with_name("int4_blocks.cpp"),
-           Path(__file__).with_name("int4_amx.cpp"), Path(__file__).with_name("int4_bf16.cpp"),
-           Path(__file__).with_name("int4_vnni.cpp"),
-           Path(__file__).with_name("int4_attention.cpp"),
-           Path(__file__).with_name("row_topk.cpp"), Path(__file__).with_name("cache_keep.cpp"))
+#: the integer (VNNI) products with rows as two codes and as one (the longest to compile: first), the Python
+#: bindings, the product (``int4_kernel.cpp``), the layer halves around attention (``int4_blocks.cpp``), the AMX and
+#: AVX512-BF16 products, the compiled layers' exact attention, the verifier's row top-k and the cache's path move
+SOURCES = tuple(Path(__file__).with_name(name) for name in (
+    "int4_vnni.cpp", "int4_vnni8.cpp", "bindings.cpp", "int4_kernel.cpp", "int4_blocks.cpp", "int4_amx.cpp",
+    "int4_bf16.cpp", "int4_attention.cpp", "row_topk.cpp", "cache_keep.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"),
            Path(__file__).with_name("int4_tiles.h"))
@@ -328,7 +326,7 @@ def compiled_kernel() -> tuple[object | None, str | None]:
     """``(module, None)`` with the compiled kernel for this CPU, or ``(None, reason)`` where it cannot be built or
     computes wrong products."""
     try:
-        module = _build(_build_dir())
+        module = _build(build_directory())
     except Exception as exc:  # noqa: BLE001 - a compiler, ninja or loader failure of any kind means: not here
         return None, f"the compiled int4 kernel could not be built ({type(exc).__name__}: {_first_line(exc)})"
     problem = _check(module)
@@ -343,7 +341,7 @@ def loaded_kernel():
 
 def build_id() -> str:
     """The compiled extension's build key (its sources, flags, PyTorch and CPU), whether or not it is built yet."""
-    return _build_dir().name.split("-")[-1]
+    return build_directory().name.split("-")[-1]
 
 
 def _build(directory: Path):
@@ -351,12 +349,14 @@ def _build(directory: Path):
 
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):
-        log.warning("compiling hierspec's int4 kernel for this CPU (once, about half a minute) into %s", directory)
+        log.warning("compiling hierspec's int4 kernel for this CPU (once, one to two minutes) into %s", directory)
     return load(name=f"hierspec_int4_{directory.name.split('-')[-1]}", sources=[str(path) for path in SOURCES],
                 build_directory=str(directory), extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _build_dir() -> Path:
+def build_directory() -> Path:
+    """Where the compiled extension for these sources, flags, PyTorch and CPU is built (and this machine's timed path
+    choices kept): ``<cache>/kernels/int4-<build key>``."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
     return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, _cpu_identity())}"
 
@@ -582,7 +582,7 @@ def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
 
 def choice_path(threads: int) -> Path:
     """Where the automatic choice for ``threads`` threads is kept: beside this CPU's compiled kernel."""
-    return _build_dir() / f"choice-t{threads}.json"
+    return build_directory() / f"choice-t{threads}.json"
 
 
 def read_choice(path: Path) -> tuple[str, str] | None:

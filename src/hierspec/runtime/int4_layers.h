@@ -1,50 +1,63 @@
-// The int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the verifier's top-k (row_topk.cpp) and the
-// cache's path move (cache_keep.cpp), declared for the bindings in int4_kernel.cpp and for int4_attention.cpp, which
-// runs the halves around its attention.
+// The products, the int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the verifier's top-k
+// (row_topk.cpp) and the cache's path move (cache_keep.cpp), declared for the bindings in bindings.cpp, for
+// int4_blocks.cpp, which picks a weight's product, and for int4_attention.cpp, which runs the halves around its
+// attention.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
+// The products (int4_kernel.cpp, int4_amx.cpp, int4_bf16.cpp, int4_vnni.cpp), float32 rows times a packed weight
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias);
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale);
+bool amx_ready();
+at::Tensor int4_amx_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias);
+bool bf16_ready();
+at::Tensor int4_bf16_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias);
+bool vnni_ready();
+int64_t vnni_width();
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                        const at::Tensor& units);
+at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                         const at::Tensor& units);
+
 // int4_blocks.cpp
-torch::Tensor rms_norm(const torch::Tensor& hidden, const torch::Tensor& weight, double eps);
-std::vector<torch::Tensor> attention_inputs(const torch::Tensor& hidden, const torch::Tensor& norm_weight, double eps,
-                                            const std::vector<std::vector<torch::Tensor>>& qkv,
-                                            const c10::optional<torch::Tensor>& bias, const torch::Tensor& cos,
-                                            const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                                            int64_t dim);
-torch::Tensor silu_product(const torch::Tensor& gate, const torch::Tensor& up);
-torch::Tensor mlp_block(const torch::Tensor& hidden, const torch::Tensor& attended, const torch::Tensor& norm_weight,
-                        double eps, const std::vector<std::vector<torch::Tensor>>& out,
-                        const std::vector<std::vector<torch::Tensor>>& gate_up,
-                        const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
+                                         const std::vector<std::vector<at::Tensor>>& qkv,
+                                         const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
+                                         const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim);
+at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& norm_weight, double eps,
+                     const std::vector<std::vector<at::Tensor>>& out,
+                     const std::vector<std::vector<at::Tensor>>& gate_up,
+                     const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate);
 
 // int4_attention.cpp
-torch::Tensor exact_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                              const torch::Tensor& keys, const torch::Tensor& values, const torch::Tensor& write_blocks,
-                              const torch::Tensor& write_slots, const torch::Tensor& indptr,
-                              const torch::Tensor& indices, const torch::Tensor& blocks, double scale);
-torch::Tensor exact_layer(const torch::Tensor& hidden, const torch::Tensor& norm1, double eps,
-                          const std::vector<std::vector<torch::Tensor>>& qkv, const c10::optional<torch::Tensor>& bias,
-                          const torch::Tensor& cos, const torch::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
-                          int64_t dim, const torch::Tensor& keys, const torch::Tensor& values,
-                          const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                          const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks,
-                          double scale, const torch::Tensor& norm2,
-                          const std::vector<std::vector<torch::Tensor>>& out,
-                          const std::vector<std::vector<torch::Tensor>>& gate_up,
-                          const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+at::Tensor exact_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                           const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                           const at::Tensor& blocks, double scale);
+at::Tensor exact_layer(const at::Tensor& hidden, const at::Tensor& norm1, double eps,
+                       const std::vector<std::vector<at::Tensor>>& qkv, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& cos, const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads,
+                       int64_t dim, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& write_blocks,
+                       const at::Tensor& write_slots, const at::Tensor& indptr, const at::Tensor& indices,
+                       const at::Tensor& blocks, double scale, const at::Tensor& norm2,
+                       const std::vector<std::vector<at::Tensor>>& out,
+                       const std::vector<std::vector<at::Tensor>>& gate_up,
+                       const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate);
 
 // One int4 layer's weights, as exact_layer takes them
 struct ExactLayerWeights {
-  torch::Tensor norm1;
-  std::vector<std::vector<torch::Tensor>> qkv;
-  c10::optional<torch::Tensor> bias;
-  torch::Tensor norm2;
-  std::vector<std::vector<torch::Tensor>> out, gate_up, down;
+  at::Tensor norm1;
+  std::vector<std::vector<at::Tensor>> qkv;
+  c10::optional<at::Tensor> bias;
+  at::Tensor norm2;
+  std::vector<std::vector<at::Tensor>> out, gate_up, down;
   int64_t intermediate;
 };
 
@@ -54,16 +67,16 @@ class ExactLayerStack {
  public:
   ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim);
   // the next layer's weights, as exact_layer takes them
-  void add(const torch::Tensor& norm1, const std::vector<std::vector<torch::Tensor>>& qkv,
-           const c10::optional<torch::Tensor>& bias, const torch::Tensor& norm2,
-           const std::vector<std::vector<torch::Tensor>>& out, const std::vector<std::vector<torch::Tensor>>& gate_up,
-           const std::vector<std::vector<torch::Tensor>>& down, int64_t intermediate);
+  void add(const at::Tensor& norm1, const std::vector<std::vector<at::Tensor>>& qkv,
+           const c10::optional<at::Tensor>& bias, const at::Tensor& norm2,
+           const std::vector<std::vector<at::Tensor>>& out, const std::vector<std::vector<at::Tensor>>& gate_up,
+           const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate);
   // exact_layer through every layer in order, layer i over keys[i] and values[i] (alike in shape: the plan is
   // checked once)
-  torch::Tensor forward(torch::Tensor hidden, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                        const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
-                        const torch::Tensor& write_blocks, const torch::Tensor& write_slots,
-                        const torch::Tensor& indptr, const torch::Tensor& indices, const torch::Tensor& blocks) const;
+  at::Tensor forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& signed_sin,
+                     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                     const at::Tensor& write_blocks, const at::Tensor& write_slots, const at::Tensor& indptr,
+                     const at::Tensor& indices, const at::Tensor& blocks) const;
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
@@ -73,7 +86,7 @@ class ExactLayerStack {
 };
 
 // row_topk.cpp
-std::tuple<torch::Tensor, torch::Tensor> row_topk(const torch::Tensor& logits, int64_t k);
+std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& logits, int64_t k);
 
 // cache_keep.cpp
-void keep_entries(const std::vector<torch::Tensor>& buffers, int64_t start, const torch::Tensor& offsets);
+void keep_entries(const std::vector<at::Tensor>& buffers, int64_t start, const at::Tensor& offsets);

@@ -14,7 +14,7 @@
 // exact): widened exactly, they decode to the same weights.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <immintrin.h>
 
@@ -38,12 +38,12 @@ struct TileShape {
 enum class CodeLayout { kTiles, kPairs, kQuads };
 
 // Checks x (float32 [M, K]) and the codes in `layout`: the shape they give (`half` unset).
-inline TileShape checked_codes(const torch::Tensor& x, const torch::Tensor& codes, CodeLayout layout) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const bool eight = codes.scalar_type() == torch::kInt8;
+inline TileShape checked_codes(const at::Tensor& x, const at::Tensor& codes, CodeLayout layout) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool eight = codes.scalar_type() == at::kChar;
   const int64_t step_bytes = eight ? 512 : 256;
-  const bool common = (eight || codes.scalar_type() == torch::kUInt8) && codes.is_contiguous() && codes.dim() >= 4 &&
-                      codes.size(0) == 1;
+  const bool common =
+      (eight || codes.scalar_type() == at::kByte) && codes.is_contiguous() && codes.dim() >= 4 && codes.size(0) == 1;
   bool fits = false;
   const char* expected = "";
   switch (layout) {
@@ -69,22 +69,23 @@ inline TileShape checked_codes(const torch::Tensor& x, const torch::Tensor& code
 }
 
 // Checks the scales and biases stored whole (float32 or float16) of codes of `shape`, and sets `shape.half`.
-inline void check_scales(TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias) {
+inline void check_scales(TileShape& shape, const at::Tensor& scale, const at::Tensor& bias) {
   const int64_t blocks = shape.blocks, groups = shape.groups;
-  const bool eight = shape.eight, half = scale.scalar_type() == torch::kHalf;
-  TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == torch::kFloat32) &&
-                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
+  const bool eight = shape.eight, half = scale.scalar_type() == at::kHalf;
+  TORCH_CHECK(scale.is_contiguous() && (half || scale.scalar_type() == at::kFloat) &&
+                  scale.sizes() == at::IntArrayRef({1, blocks, groups, kBlock}),
               "scale: contiguous float32 or float16 [1, N / 16, K / 32, 16] (4-bit codes) or [1, N / 16, K / 16, 16] "
               "(8-bit)");
-  TORCH_CHECK(eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == scale.scalar_type() &&
-                                           bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
+  TORCH_CHECK(eight ? bias.numel() == 0
+                    : (bias.is_contiguous() && bias.scalar_type() == scale.scalar_type() &&
+                       bias.sizes() == at::IntArrayRef({blocks, groups, kBlock})),
               "bias: contiguous [N / 16, K / 32, 16] of the scale's dtype (4-bit codes) or empty (8-bit codes)");
   shape.half = half;
 }
 
 // Checks x (float32 [M, K]), the codes in `layout` and the scales and biases of either form.
-inline TileShape checked_tiles(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                               const torch::Tensor& bias, CodeLayout layout) {
+inline TileShape checked_tiles(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                               const at::Tensor& bias, CodeLayout layout) {
   TileShape shape = checked_codes(x, codes, layout);
   check_scales(shape, scale, bias);
   return shape;
@@ -219,8 +220,8 @@ struct EightBit {
 // run(form, weights) with the product's form (4-bit or 8-bit codes) and its weights, scales and biases of the type
 // they are stored in (float32, or float16 as uint16_t)
 template <class Run>
-void with_form(const TileShape& shape, const torch::Tensor& codes, const torch::Tensor& scale,
-               const torch::Tensor& bias, int64_t n, Run run) {
+void with_form(const TileShape& shape, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+               int64_t n, Run run) {
   auto weights = [&](auto scale_type) {
     using S = decltype(scale_type);
     return Tiles<S>{static_cast<const uint8_t*>(codes.data_ptr()), static_cast<const S*>(scale.data_ptr()),

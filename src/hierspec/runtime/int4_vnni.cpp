@@ -25,8 +25,9 @@
 // the number of rows, how they are grouped into passes or how the blocks are split between threads
 // (tests/test_int4_kernel.py).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -37,6 +38,8 @@
 #include <vector>
 
 #include "int4_tiles.h"
+
+bool vnni_ready();
 
 // Two builds of the same arithmetic: AVX512-VNNI's VPDPBUSD (16 outputs' int32 sums of 4 byte products at once), or
 // on AVX2 CPUs (AMD Zen 3, Intel Haswell on) VPMADDUBSW and VPMADDWD doing the same integer sums in two halves of 8
@@ -63,20 +66,19 @@ constexpr int64_t kStepsPerSuper = kSuper / kStep;
 
 // Checks factored scales (see Factored) for codes of `shape`: scale uint8 (4-bit codes) or int8 (8-bit) [1, N / 16,
 // groups, 16], bias uint8 [N / 16, K / 32, 16] or empty, units float32 [2 or 1, N / 16, K / 256, 16].
-void check_factors(const TileShape& shape, const torch::Tensor& scale, const torch::Tensor& bias,
-                   const torch::Tensor& units) {
+void check_factors(const TileShape& shape, const at::Tensor& scale, const at::Tensor& bias, const at::Tensor& units) {
   const int64_t blocks = shape.blocks, groups = shape.groups;
   TORCH_CHECK(shape.steps % kStepsPerSuper == 0, "factored scales: K must be a multiple of 256");
-  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == (shape.eight ? torch::kInt8 : torch::kUInt8) &&
-                  scale.sizes() == torch::IntArrayRef({1, blocks, groups, kBlock}),
+  TORCH_CHECK(scale.is_contiguous() && scale.scalar_type() == (shape.eight ? at::kChar : at::kByte) &&
+                  scale.sizes() == at::IntArrayRef({1, blocks, groups, kBlock}),
               "factored scale: contiguous uint8 [1, N / 16, K / 32, 16] (4-bit codes) or int8 [1, N / 16, K / 16, 16] "
               "(8-bit)");
-  TORCH_CHECK(shape.eight ? bias.numel() == 0 : (bias.is_contiguous() && bias.scalar_type() == torch::kUInt8 &&
-                                                 bias.sizes() == torch::IntArrayRef({blocks, groups, kBlock})),
+  TORCH_CHECK(shape.eight ? bias.numel() == 0
+                          : (bias.is_contiguous() && bias.scalar_type() == at::kByte &&
+                             bias.sizes() == at::IntArrayRef({blocks, groups, kBlock})),
               "factored bias: contiguous uint8 [N / 16, K / 32, 16] (4-bit codes) or empty (8-bit codes)");
-  TORCH_CHECK(units.is_contiguous() && units.scalar_type() == torch::kFloat32 &&
-                  units.sizes() == torch::IntArrayRef({shape.eight ? 1 : 2, blocks, shape.steps / kStepsPerSuper,
-                                                       kBlock}),
+  TORCH_CHECK(units.is_contiguous() && units.scalar_type() == at::kFloat &&
+                  units.sizes() == at::IntArrayRef({shape.eight ? 1 : 2, blocks, shape.steps / kStepsPerSuper, kBlock}),
               "units: contiguous float32 [2, N / 16, K / 256, 16] (4-bit codes) or [1, N / 16, K / 256, 16] (8-bit)");
 }
 
@@ -587,45 +589,30 @@ void all_blocks(const Codes& w, const Source& source, bool eight, int64_t blocks
 
 #endif  // HIERSPEC_VNNI
 
-}  // namespace
-
-// Whether this build can run the integer products (compiled for a CPU with AVX512_VNNI and AVX512_BW, or with AVX2,
-// FMA and F16C).
-bool vnni_ready() {
-#ifdef HIERSPEC_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
-namespace {
-
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
 // (8-bit form). Scales stored per group (units empty): scale float32 or float16 [1, N / 16, K / 32, 16] or
 // [1, N / 16, K / 16, 16], bias the scale's dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one;
-// or factored (check_factors). Rows as two 8-bit codes an input (two) or one. Returns float32 [M, N].
-torch::Tensor integer_product(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                              const torch::Tensor& bias, const torch::Tensor& units, bool two) {
+// or factored (check_factors). Rows as two 8-bit codes an input (Two) or one. Returns float32 [M, N].
+template <bool Two>
+at::Tensor integer_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                           const at::Tensor& bias, const at::Tensor& units) {
   TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
   if (factored) check_factors(shape, scale, bias, units);
   else check_scales(shape, scale, bias);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
-  auto out = torch::empty({rows, n}, x.options());
+  auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
 #ifdef HIERSPEC_VNNI
   thread_local std::vector<int8_t> row_codes;
   thread_local std::vector<RowStep> row_steps;
-  if (two) rounded_rows<true>(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
-  else rounded_rows<false>(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
+  rounded_rows<Two>(x.data_ptr<float>(), rows, x.size(1), row_codes, row_steps);
   const Rows inputs{row_codes.data(), row_steps.data(), shape.steps};
   const Codes weights{static_cast<const uint8_t*>(codes.data_ptr()), shape.steps, n};
   float* results = out.data_ptr<float>();
   const auto run = [&](const auto& source) {
-    if (two) all_blocks<true>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
-    else all_blocks<false>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
+    all_blocks<Two>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
   };
   const int64_t supers = shape.steps / kStepsPerSuper, per_super = shape.groups / std::max<int64_t>(supers, 1);
   if (factored && shape.eight)
@@ -645,14 +632,29 @@ torch::Tensor integer_product(const torch::Tensor& x, const torch::Tensor& codes
 
 }  // namespace
 
-// The product with rows as two 8-bit codes an input (integer_product's arguments).
-torch::Tensor int4_vnni_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                           const torch::Tensor& bias, const torch::Tensor& units) {
-  return integer_product(x, codes, scale, bias, units, true);
+#ifndef HIERSPEC_VNNI_ONE_CODE
+// The integer products' vector width in bits: 512 (AVX512-VNNI), 256 (AVX2) or 0 (none in this build).
+int64_t vnni_width() {
+#ifdef HIERSPEC_VNNI
+  return HIERSPEC_VNNI;
+#else
+  return 0;
+#endif
 }
 
-// The product with rows as one 8-bit code an input.
-torch::Tensor int4_vnni8_mm(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                            const torch::Tensor& bias, const torch::Tensor& units) {
-  return integer_product(x, codes, scale, bias, units, false);
+// Whether this build can run the integer products (compiled for a CPU with AVX512_VNNI and AVX512_BW, or with AVX2,
+// FMA and F16C).
+bool vnni_ready() { return vnni_width() > 0; }
+
+// The product with rows as two 8-bit codes an input (integer_product's arguments).
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                        const at::Tensor& units) {
+  return integer_product<true>(x, codes, scale, bias, units);
 }
+#else
+// The product with rows as one 8-bit code an input.
+at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                         const at::Tensor& units) {
+  return integer_product<false>(x, codes, scale, bias, units);
+}
+#endif  // HIERSPEC_VNNI_ONE_CODE

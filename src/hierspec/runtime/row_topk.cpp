@@ -5,8 +5,9 @@
 // the list's last, which after the first few thousand entries is rare. The vectors are the CPU's widest (16 lanes
 // with AVX-512, else 8).
 
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <immintrin.h>
 
@@ -79,13 +80,13 @@ void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out, int64_t* a
 // logits: float32 [rows, n], contiguous. Returns int64 [rows] and [rows, k]: each row's argmax as NumPy's (the first
 // NaN, else the first maximal entry: the verifier's greedy token, without a second pass over the row) and its k
 // largest entries' indices, largest first, equal values in index order, NaN ranking as -inf.
-std::tuple<torch::Tensor, torch::Tensor> row_topk(const torch::Tensor& logits, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.is_contiguous(),
+std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
               "logits: contiguous float32 [rows, n]");
   const int64_t rows = logits.size(0), n = logits.size(1);
   TORCH_CHECK(k >= 1 && k <= n, "k must be in 1..n");
-  auto out = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
-  auto argmax = torch::empty({rows}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({rows, k}, logits.options().dtype(at::kLong));
+  auto argmax = at::empty({rows}, logits.options().dtype(at::kLong));
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* a = argmax.data_ptr<int64_t>();

@@ -1,0 +1,35 @@
+// The Python module of hierspec's compiled kernels: every call declared in int4_layers.h. Only this file includes
+// PyTorch's pybind11 headers (tens of seconds to parse on a slow core); the kernels include ATen's tensor header alone,
+// so that a first build on a new machine takes about a minute instead of five.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "int4_layers.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_mm", &int4_mm, "int4 product of a few float32 rows");
+  m.def("int8_mm", &int8_mm, "int8 product of a few float32 rows");
+  m.def("amx_ready", &amx_ready, "whether the AMX products can run in this build and process");
+  m.def("int4_amx_mm", &int4_amx_mm, "4-bit or 8-bit product of float32 rows on AMX tiles");
+  m.def("bf16_ready", &bf16_ready, "whether the AVX512-BF16 products can run in this build");
+  m.def("int4_bf16_mm", &int4_bf16_mm, "4-bit or 8-bit product of float32 rows by AVX512-BF16 dot products");
+  m.def("vnni_ready", &vnni_ready, "whether the integer (VNNI) products can run in this build");
+  m.def("vnni_width", &vnni_width, "the integer products' vector width in bits: 512 (AVX512-VNNI), 256 (AVX2), 0");
+  m.def("int4_vnni_mm", &int4_vnni_mm,
+        "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
+  m.def("int4_vnni8_mm", &int4_vnni8_mm,
+        "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
+  m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
+  m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
+  m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");
+  m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
+  m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
+  m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
+  pybind11::class_<ExactLayerStack>(m, "ExactLayerStack")
+      .def(pybind11::init<double, double, int64_t, int64_t, int64_t>())
+      .def("add", &ExactLayerStack::add, "append the next layer's weights")
+      .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
+      .def("__len__", &ExactLayerStack::size);
+  m.def("row_topk", &row_topk, "each float32 row's NumPy argmax and k largest entries' indices, largest first");
+  m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
+}
