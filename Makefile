@@ -23,7 +23,7 @@ demo: install
 	$(VENV)/bin/hierspec demo
 
 test: install
-	$(PY) -m pytest -n 2 --dist loadfile -q
+	$(PY) -m pytest -n 2 --dist loadgroup -q
 
 # The default stores of a model (MODEL=, default SmolLM2-135M-Instruct; e.g. MODEL=qwen-coder-1.5b after
 # `make models`) under ~/.cache/hierspec/datastores/: a ShareGPT suffix store (hd, rest), a suffix store of the

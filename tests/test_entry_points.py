@@ -20,6 +20,8 @@ from hierspec.demo import DEMO_PROMPTS
 from tiny import save_model_dir
 
 MAX_TOKENS = "12"
+#: one worker runs the whole module (the test command distributes tests one by one, groups whole): the demo runs once
+pytestmark = pytest.mark.xdist_group("entry-points")
 
 
 def _hierspec() -> str:

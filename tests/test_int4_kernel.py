@@ -3,6 +3,7 @@ row invariance, the per-CPU build key, the choice between it and PyTorch's kerne
 
 import dataclasses
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -561,3 +562,16 @@ def test_the_compiled_activation_is_silu_times_up_to_float32_rounding_and_row_by
     assert torch.equal(MODULE.silu_product(gate[3:4].contiguous(), up[3:4].contiguous())[0], act[3])
     with pytest.raises(RuntimeError, match="gate, up"):
         MODULE.silu_product(gate.t(), up.t())
+
+
+def test_only_the_bindings_include_pytorchs_python_headers():
+    """A first build's time is mostly header parsing (``torch/extension.h`` alone takes about a minute on a Zen 3
+    core): the kernels include ATen's tensor header, and only ``bindings.cpp`` pulls in pybind11 and PyTorch's Python
+    headers."""
+    assert Path(k.__file__).with_name("bindings.cpp") in k.SOURCES
+    for path in k.SOURCES + k.HEADERS:
+        text = path.read_text()
+        if path.name == "bindings.cpp":
+            assert "PYBIND11_MODULE" in text
+            continue
+        assert "torch/extension.h" not in text and "pybind" not in text.lower() and "torch/csrc" not in text, path.name

@@ -55,8 +55,7 @@ CASES = {
         PromptLookupDrafter(PromptLookupConfig(max_ngram=1, min_ngram=1)),
         TableLM(VOCAB, seed=2, scale=1.0, step_ms=1.0), HSDDWConfig(tau=1.8, max_block=4)), WINDOW_COST),
 }
-#: the cases this file runs; the chained ones run in ``test_sampling_chained_drafts.py``, so that the test command's
-#: two workers (one file each at a time) share these minutes of sampling
+#: the cases this file runs; the chained ones run in ``test_sampling_chained_drafts.py``
 OWN_CASES = ("sd", "sd+shortlist", "sd+self-verify+window")
 
 

@@ -9,7 +9,8 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter, PromptLookupDrafter
 from hierspec.errors import InputError
 
-pytestmark = pytest.mark.slow
+#: one worker runs the whole module (the test command distributes tests one by one, groups whole): its model loads once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 PROMPTS = [
     "Rewrite this sentence in the passive voice: The committee approved the new budget after a long debate.",
@@ -28,7 +29,15 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(cache_dir):
+    """The default model expanded to float32 (``--dtype float32``): the path the owned decoder is compared on."""
     return hierspec.load_model(config=ModelConfig(cache_dir=str(cache_dir), dtype="float32", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def default_model(cache_dir, model):
+    """The default model as a user gets it (``hierspec generate`` without options: its GGUF file's 4-bit weights on
+    the int4 path where this CPU has one), from the conversion ``model`` cached."""
+    return hierspec.load_model(config=ModelConfig(cache_dir=str(cache_dir)))
 
 
 def test_default_model_loads_from_gguf_with_chat_template(model, cache_dir):
@@ -50,13 +59,13 @@ def test_second_load_uses_the_cache(cache_dir, monkeypatch):
     assert again.vocab_size == 49152
 
 
-def test_prompt_lookup_is_identical_to_plain_decoding(model):
+def test_prompt_lookup_is_identical_to_plain_decoding(default_model):
     config = GenerationConfig(max_new_tokens=64)
-    plain = SpeculativeDecoder(model, NoDrafter())
-    pld = SpeculativeDecoder(model, PromptLookupDrafter())
+    plain = SpeculativeDecoder(default_model, NoDrafter())
+    pld = SpeculativeDecoder(default_model, PromptLookupDrafter())
     total_forwards = total_tokens = 0
     for prompt in PROMPTS:
-        ids = model.encode_prompt(prompt)
+        ids = default_model.encode_prompt(prompt)
         reference = plain.generate(ids, config)
         result = pld.generate(ids, config)
         assert result.token_ids == reference.token_ids, prompt
@@ -66,61 +75,64 @@ def test_prompt_lookup_is_identical_to_plain_decoding(model):
     assert total_forwards < total_tokens  # drafts were accepted somewhere
 
 
-def test_seeded_sampling_is_reproducible_and_streams(model):
-    first = hierspec.generate(model, PROMPTS[2], method="pld", max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
-    stream = hierspec.stream(model, PROMPTS[2], method="pld", max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+def test_seeded_sampling_is_reproducible_and_streams(default_model):
+    sampling = dict(method="pld", max_new_tokens=24, temperature=0.8, top_p=0.9, seed=5)
+    first = hierspec.generate(default_model, PROMPTS[2], **sampling)
+    stream = hierspec.stream(default_model, PROMPTS[2], **sampling)
     streamed = "".join(stream)
     assert stream.result.token_ids == first.token_ids
     assert streamed == first.text
 
 
-def test_stop_strings_and_bad_input(model):
-    result = hierspec.generate(model, PROMPTS[2], method="pld", max_new_tokens=64, stop=["Moon"])
+def test_stop_strings_and_bad_input(default_model):
+    result = hierspec.generate(default_model, PROMPTS[2], method="pld", max_new_tokens=64, stop=["Moon"])
     assert "Moon" not in result.text
     assert result.finish_reason in {"stop", "eos", "length"}
     with pytest.raises(InputError, match="empty"):
-        model.encode_prompt("")
+        default_model.encode_prompt("")
     with pytest.raises(InputError, match="context holds 8192"):
-        model.encode_prompt("word " * 9000, raw=True)
+        default_model.encode_prompt("word " * 9000, raw=True)
 
 
-def test_rest_is_identical_to_plain_decoding(model, tmp_path):
+def test_rest_is_identical_to_plain_decoding(default_model, tmp_path):
     from hierspec.datastore.suffix import SuffixStore, build_suffix_store
     from hierspec.drafters.rest import RestConfig, RestDrafter
 
     config = GenerationConfig(max_new_tokens=48)
-    plain = SpeculativeDecoder(model, NoDrafter())
-    references = [plain.generate(model.encode_prompt(p), config) for p in PROMPTS[:3]]
+    plain = SpeculativeDecoder(default_model, NoDrafter())
+    references = [plain.generate(default_model.encode_prompt(p), config) for p in PROMPTS[:3]]
     corpus = [references[0].text, references[2].text, "The Moon is Earth's only natural satellite. " * 3,
               "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
     out = tmp_path / "store"
-    build_suffix_store(corpus, model.tokenizer, model.name, model.tokenizer_fingerprint, out)
-    store = SuffixStore.open(out, fingerprint=model.tokenizer_fingerprint, tokenizer_name=model.name)
-    rest = SpeculativeDecoder(model, RestDrafter(store, RestConfig(c=16)))
+    build_suffix_store(corpus, default_model.tokenizer, default_model.name, default_model.tokenizer_fingerprint, out)
+    store = SuffixStore.open(out, fingerprint=default_model.tokenizer_fingerprint, tokenizer_name=default_model.name)
+    rest = SpeculativeDecoder(default_model, RestDrafter(store, RestConfig(c=16)))
     accepted = 0
     for prompt, reference in zip(PROMPTS[:3], references):
-        result = rest.generate(model.encode_prompt(prompt), config)
+        result = rest.generate(default_model.encode_prompt(prompt), config)
         assert result.token_ids == reference.token_ids, prompt
         accepted += result.stats.accepted_drafts
     assert accepted > 0
 
 
-def test_hierarchy_drafting_is_identical_to_plain_decoding(model, tmp_path):
+def test_hierarchy_drafting_is_identical_to_plain_decoding(default_model, tmp_path):
     from hierspec.datastore.model_store import ModelStoreConfig
     from hierspec.store_builds import build_model_store
     from hierspec.datastore.ngram import NgramTable
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, ModelDatabase
 
-    build_model_store(model, ["List three facts about the Sun.", "Write a Python function that adds two numbers.",
-                              "Translate to French: I like apples."], tmp_path / "model",
-                      ModelStoreConfig(key_len=1, value_len=4, max_new_tokens=48))
-    table = NgramTable.open(tmp_path / "model", fingerprint=model.tokenizer_fingerprint)
+    prompts = ["List three facts about the Sun.", "Write a Python function that adds two numbers.",
+               "Translate to French: I like apples."]
+    build_model_store(default_model, prompts, tmp_path / "model", ModelStoreConfig(key_len=1, value_len=4,
+                                                                                    max_new_tokens=48))
+    table = NgramTable.open(tmp_path / "model", fingerprint=default_model.tokenizer_fingerprint)
     config = GenerationConfig(max_new_tokens=64)
-    plain = SpeculativeDecoder(model, NoDrafter())
-    hd = SpeculativeDecoder(model, HierarchyDrafter(HierarchyConfig(recycle_topk=2), ModelDatabase(table, 1)))
+    plain = SpeculativeDecoder(default_model, NoDrafter())
+    drafter = HierarchyDrafter(HierarchyConfig(recycle_topk=2), ModelDatabase(table, 1))
+    hd = SpeculativeDecoder(default_model, drafter)
     total_forwards = total_tokens = 0
     for prompt in PROMPTS:
-        ids = model.encode_prompt(prompt)
+        ids = default_model.encode_prompt(prompt)
         result = hd.generate(ids, config)
         assert result.token_ids == plain.generate(ids, config).token_ids, prompt
         total_forwards += result.stats.target_forwards
@@ -161,13 +173,13 @@ def test_owned_decoder_matches_transformers_modules_on_smollm2(model):
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
 
 
-def test_batched_requests_equal_their_answers_alone(model):
+def test_batched_requests_equal_their_answers_alone(default_model):
     """Five prompts answered together (prompt lookup chains and the default hd trees verified in shared forwards)
     give each prompt exactly its answer alone."""
     config = dict(max_new_tokens=40)
-    plain = [hierspec.generate(model, prompt, method="ar", **config) for prompt in PROMPTS]
+    plain = [hierspec.generate(default_model, prompt, method="ar", **config) for prompt in PROMPTS]
     for method in ("pld:budget=off", "hd"):
-        batch = hierspec.generate_batch(model, PROMPTS, method=method, max_batch=5, **config)
+        batch = hierspec.generate_batch(default_model, PROMPTS, method=method, max_batch=5, **config)
         assert [r.token_ids for r in batch] == [r.token_ids for r in plain], method
         assert [r.text for r in batch] == [r.text for r in plain]
         if method.startswith("pld"):

@@ -1,31 +1,35 @@
 """The integer (VNNI) products' AVX2 build (``int4_vnni.cpp`` for CPUs without AVX512-VNNI, e.g. AMD Zen 3): built here
-with ``-march=haswell`` whatever this CPU is, it must give the float64 model's products and, bit for bit, those of the
-extension hierspec builds for this CPU (its AVX512-VNNI build on a Zen 4 or a Xeon), for 4-bit and 8-bit codes, stored
-and factored scales and any number of rows."""
+with ``-march=haswell`` where this CPU's own build is the AVX-512 one (a Zen 4, a Xeon; elsewhere this CPU's build is
+the AVX2 one), it must give the float64 model's products and, bit for bit, those of the extension hierspec builds for
+this CPU, for 4-bit and 8-bit codes, stored and factored scales and any number of rows."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from hierspec.paths import user_cache_dir
 from hierspec.runtime import int4_kernel as k
 
-SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(__file__).with_name("native") / "vnni_products.cpp"]
+SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(k.__file__).with_name("int4_vnni8.cpp"),
+           Path(__file__).with_name("native") / "vnni_products.cpp"]
 MODULE, REASON = k.compiled_kernel()
 
 
 @pytest.fixture(scope="module")
-def avx2():
-    """The integer products compiled for Haswell's instruction set (AVX2, FMA, F16C; no AVX-512), once per source."""
+def avx2(kernel_builds):
+    """The integer products compiled for Haswell's instruction set (AVX2, FMA, F16C; no AVX-512), once per source
+    (kept with the compiled kernels in the real cache). On a CPU without AVX512-VNNI (a Zen 3) this CPU's own build
+    is already the AVX2 build, and is used as it is: a second build of the same code would only cost minutes."""
     if MODULE is None:
         pytest.skip(str(REASON))
+    if MODULE.vnni_width() == 256:
+        return MODULE
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-march=haswell", "-ffp-contract=fast", "-fopenmp"]
     source = b"".join(p.read_bytes() for p in SOURCES + [Path(k.__file__).with_name("int4_tiles.h")])
     key = k.build_key(source + " ".join(flags).encode(), torch.__version__, "haswell")
-    directory = user_cache_dir() / "kernels" / f"vnni-haswell-{key}"
+    directory = kernel_builds / f"vnni-haswell-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     module = load(name=f"hierspec_vnni_haswell_{key}", sources=[str(p) for p in SOURCES],
                   build_directory=str(directory), extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
@@ -98,3 +102,23 @@ def test_the_avx2_build_rounds_each_row_exactly_as_vnni_rounded_says(avx2, one_c
     if one_code:
         assert got[4, :6].tolist() == [0.0, -0.0, 2.0, 3.0, 127.0, -126.0]
     assert got[3, 32:64].abs().max() == 0
+
+
+def test_this_cpus_build_has_the_integer_products_its_flags_allow():
+    """The build's vector width follows the CPU's flags (``-march=native``): AVX512-VNNI's where it has it, else AVX2's
+    where it has AVX2, FMA and F16C — the width the fixture above relies on."""
+    if MODULE is None:
+        pytest.skip(str(REASON))
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags here")
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        assert MODULE.vnni_width() == 512
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert MODULE.vnni_width() == 256
+    else:
+        assert MODULE.vnni_width() == 0 and not MODULE.vnni_ready()
