@@ -1,6 +1,6 @@
 // The Python module of hierspec's compiled kernels: every call declared in int4_layers.h. Only this file includes
 // PyTorch's pybind11 headers (tens of seconds to parse on a slow core); the kernels include ATen's tensor header alone,
-// so that a first build on a new machine takes about a minute instead of five.
+// so that a first build takes under two minutes on a 2-core Zen 3 instead of five.
 
 #include <torch/csrc/utils/pybind.h>
 

@@ -39,6 +39,8 @@
 
 #include "int4_tiles.h"
 
+// defined below in the two-code unit; the one-code unit (int4_vnni8.cpp: this file with HIERSPEC_VNNI_ONE_CODE, built
+// apart so that a first build compiles the two halves' template instances at once) defines int4_vnni8_mm only
 bool vnni_ready();
 
 // Two builds of the same arithmetic: AVX512-VNNI's VPDPBUSD (16 outputs' int32 sums of 4 byte products at once), or
