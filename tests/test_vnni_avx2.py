@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hierspec.machine import cpuinfo_fields
 from hierspec.runtime import int4_kernel as k
 
 SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(k.__file__).with_name("int4_vnni8.cpp"),
@@ -27,7 +28,7 @@ def avx2(kernel_builds):
     from torch.utils.cpp_extension import load
 
     flags = ["-O3", "-march=haswell", "-ffp-contract=fast", "-fopenmp"]
-    source = b"".join(p.read_bytes() for p in SOURCES + [Path(k.__file__).with_name("int4_tiles.h")])
+    source = b"".join(p.read_bytes() for p in SOURCES + list(k.HEADERS))
     key = k.build_key(source + " ".join(flags).encode(), torch.__version__, "haswell")
     directory = kernel_builds / f"vnni-haswell-{key}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -109,11 +110,10 @@ def test_this_cpus_build_has_the_integer_products_its_flags_allow():
     where it has AVX2, FMA and F16C — the width the fixture above relies on."""
     if MODULE is None:
         pytest.skip(str(REASON))
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
+    try:
+        _, flags = cpuinfo_fields(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        flags = frozenset()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags here")
     if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:

@@ -40,15 +40,21 @@ def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:
 
     Example: ``parse_cpuinfo("model name : AMD EPYC\\nflags : fpu avx2 fma")`` is ``("AMD EPYC", ("avx2", "fma"))``.
     """
-    model, flags = "", set()
+    model, flags = cpuinfo_fields(text)
+    return model, tuple(flag for flag in KERNEL_FLAGS if flag in flags)
+
+
+def cpuinfo_fields(text: str) -> tuple[str, frozenset[str]]:
+    """The first ``model name`` and the first CPU's whole flag set from ``/proc/cpuinfo`` text."""
+    model, flags = "", frozenset()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
         if key == "model name" and not model:
             model = value.strip()
         elif key == "flags" and not flags:
-            flags = set(value.split())
-    return model, tuple(flag for flag in KERNEL_FLAGS if flag in flags)
+            flags = frozenset(value.split())
+    return model, flags
 
 
 @functools.lru_cache(maxsize=1)

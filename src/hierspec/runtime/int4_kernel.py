@@ -25,8 +25,9 @@ sources' headers), so a tree row's products equal the chain's. The layer halves 
 (:mod:`~hierspec.runtime.decoder`).
 
 It is built with ``torch.utils.cpp_extension`` for this CPU's instruction set (``-march=native``) on first use —
-one to two minutes of compiling on two cores, with one log line — into ``<cache>/kernels/int4-<key>``, where the key covers the
-source, PyTorch's version and the CPU's model and flags (a binary built for one CPU is never loaded on another).
+one to two minutes of compiling on two cores, with one log line — into ``<cache>/kernels/int4-<key>``, where the key
+covers the source, PyTorch's version and the CPU's model and flags (a binary built for one CPU is never loaded on
+another).
 After a build its products are checked against a float64 reference; where the compiler, ninja or the check fails,
 :func:`compiled_kernel` returns ``None`` with the reason and the int4 path keeps PyTorch's kernel.
 """

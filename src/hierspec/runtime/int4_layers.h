@@ -1,7 +1,7 @@
 // The products, the int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the verifier's top-k
 // (row_topk.cpp) and the cache's path move (cache_keep.cpp), declared for the bindings in bindings.cpp, for
-// int4_blocks.cpp, which picks a weight's product, and for int4_attention.cpp, which runs the halves around its
-// attention.
+// int4_blocks.cpp, which picks a weight's product, for int4_attention.cpp, which runs the halves around its attention,
+// and for int4_vnni.cpp, whose one-code unit (int4_vnni8.cpp) calls vnni_ready defined in the other.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -24,6 +24,10 @@
 // Batch invariance: a row's codes and every (row, output) sum depend on that row alone, in one fixed order, whatever
 // the number of rows, how they are grouped into passes or how the blocks are split between threads
 // (tests/test_int4_kernel.py).
+//
+// Two translation units: this file defines int4_vnni_mm, vnni_ready and vnni_width; int4_vnni8.cpp (this file with
+// HIERSPEC_VNNI_ONE_CODE) defines int4_vnni8_mm, so that a first build compiles the two row forms' template instances
+// at once.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,11 +41,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "int4_layers.h"
 #include "int4_tiles.h"
-
-// defined below in the two-code unit; the one-code unit (int4_vnni8.cpp: this file with HIERSPEC_VNNI_ONE_CODE, built
-// apart so that a first build compiles the two halves' template instances at once) defines int4_vnni8_mm only
-bool vnni_ready();
 
 // Two builds of the same arithmetic: AVX512-VNNI's VPDPBUSD (16 outputs' int32 sums of 4 byte products at once), or
 // on AVX2 CPUs (AMD Zen 3, Intel Haswell on) VPMADDUBSW and VPMADDWD doing the same integer sums in two halves of 8
