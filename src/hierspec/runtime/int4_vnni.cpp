@@ -91,15 +91,6 @@ constexpr int kQuads = 8;         // a step's quads of 4 inputs
 constexpr int kRowsPerPass = HIERSPEC_VNNI == 512 ? 12 : 8;
 constexpr int64_t kGrain = 4;        // blocks of outputs a thread takes at least
 constexpr int64_t kRoundGrain = 256;  // row steps a thread rounds at least (a step ~20 ns on a Zen 3)
-// AVX2: every row's integer sums of a step, then their float32 scaling — the same operations in another order. A
-// row's sums, conversion and scaling form one long chain of dependent instructions; interleaved row by row, a Zen 3
-// held about two rows' chains in flight (its products were bound by that, not by its multipliers); the rows' sums
-// first give it independent work side by side. Measured on a Zen 3 (thirty-fifth session), the same bits: a
-// product whose weights are in cache 15-20 % faster at 8 and 16 rows (one thread); SmolLM2's 30 layers' products,
-// streamed on two threads and interleaved in one process with the row-by-row order, 6-12 % at 16 rows, 0-11 % at 4
-// and 8, one row unchanged within the noise. AVX-512 keeps the row-by-row order it was measured in (12 rows' sums
-// would not fit its registers beside the accumulators).
-constexpr bool kFourBitSumsFirst = HIERSPEC_VNNI == 256;
 
 // A row's step of 32 inputs as two 8-bit codes an input: x ~ e (128 high + low)
 struct RowStep {
@@ -111,11 +102,14 @@ struct RowStep {
 // A product's rows as codes [K / 32, rows, 2, 32] (a step's 32 high codes, then its 32 low ones) and their steps'
 // scales [K / 32, rows]: step-major, so that a pass finds its rows' codes of one step at fixed offsets from one
 // address (row-major, the addresses of 8 rows were recomputed for every step in registers the products need)
+// where a row's step stands among `rows` rows stored step-major
+inline int64_t step_major(int64_t row, int64_t step, int64_t rows) { return step * rows + row; }
+
 struct Rows {
   const int8_t* codes;
   const RowStep* steps;
   int64_t rows;
-  int64_t at(int64_t row, int64_t step) const { return step * rows + row; }
+  int64_t at(int64_t row, int64_t step) const { return step_major(row, step, rows); }
 };
 
 // A block's 16 outputs in kParts parts of kWidth lanes: one AVX-512 register, or two AVX2 ones of 8 outputs each. A
@@ -299,7 +293,7 @@ void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& 
   at::parallel_for(0, rows * per_row, kRoundGrain, [&](int64_t begin, int64_t end) {
     int64_t row = begin / per_row, s = begin % per_row;  // input step i is row i / per_row's step i % per_row
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t j = s * rows + row;
+      const int64_t j = step_major(row, s, rows);
       step[j] = Two ? round_step(x + kStep * i, code + 2 * kStep * j)
                     : round_step_one(x + kStep * i, code + kStep * j);
       if (++s == per_row) s = 0, ++row;
@@ -459,7 +453,15 @@ struct FourBit {
 
   // a row's integer sums of the step's part, then (finish) their scaled float32 added to its accumulator
   using Sums = IV;
-  static constexpr bool kSumsFirst = kFourBitSumsFirst;
+  // AVX2: every row's sums of a step, then their scaling — the same operations in another order. A row's sums,
+  // conversion and scaling form one long chain of dependent instructions; interleaved row by row, a Zen 3 held about
+  // two rows' chains in flight (its products were bound by that, not by its multipliers); the rows' sums first give
+  // it independent work side by side. Measured on a Zen 3 (thirty-fifth session), the same bits: a product whose
+  // weights are in cache 15-20 % faster at 8 and 16 rows (one thread); SmolLM2's 30 layers' products, streamed on two
+  // threads and interleaved in one process with the row-by-row order, 6-12 % at 16 rows, 0-11 % at 4 and 8, one row
+  // unchanged within the noise. AVX-512 keeps the row-by-row order it was measured in (12 rows' sums would not fit
+  // its registers beside the accumulators).
+  static constexpr bool kSumsFirst = HIERSPEC_VNNI == 256;
   template <bool Two>
   static Sums sums(const Quads& q, const int8_t* codes, const RowStep&) {
     IV sums = dot_step4(q.quad, codes);
