@@ -87,6 +87,35 @@ def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_w
             assert torch.equal(row[0], tree[node]), f"past {past}, node {node} of {nodes}"
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
+def test_rows_that_share_few_or_no_leading_slots_and_many_rows_each_equal_the_row_alone(module, threads, half):
+    """Rows are attended in blocks that read their common leading slots once: rows whose slot lists part early (or
+    at once), a row whose slots are a prefix of the others', and more rows than one block holds (40) still give
+    each row its bits alone."""
+    gen = torch.Generator().manual_seed(5 + threads)
+    capacity, rows = 900, 40
+    cache_k, cache_v = (torch.randn(KV_HEADS, capacity, DIM, generator=gen) for _ in range(2))
+    if half:
+        cache_k, cache_v = cache_k.half(), cache_v.half()
+    query = torch.randn(1, rows, HEADS, DIM, generator=gen).transpose(1, 2)
+    key, value = (torch.randn(1, KV_HEADS, rows, DIM, generator=gen) for _ in range(2))
+    written = torch.arange(capacity - rows, capacity)
+    mask = torch.zeros(rows, capacity, dtype=torch.bool)
+    for row in range(rows):
+        if row % 3 == 0:  # a random subset: parts from its neighbours at once or early
+            mask[row, : capacity - rows] = torch.rand(capacity - rows, generator=gen) < 0.5
+        else:  # a common context, its length varying (row 1's a prefix of row 2's)
+            mask[row, : 300 + 7 * (row % 5)] = True
+        mask[row, written[row]] = True
+    keys, values = cache_k.clone(), cache_v.clone()
+    together = _attend(module, query, key, value, keys, values, torch.zeros(rows, dtype=torch.long), written, mask)
+    for row in range(rows):
+        alone = _attend(module, query[:, :, row : row + 1], key[:, :, row : row + 1], value[:, :, row : row + 1],
+                        keys.clone(), values.clone(), torch.zeros(1, dtype=torch.long), written[row : row + 1],
+                        mask[row : row + 1])
+        assert torch.equal(alone[0], together[row]), f"row {row}"
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_a_float16_cache_is_attended_as_its_entries_widened_and_its_rows_written_rounded(module, shape):
     """A float16 buffer gives the float32 call's bits on the same entries widened (widening is exact), and the rows'

@@ -3,11 +3,12 @@
 //
 // exact_attention.py's numba kernel costs ~17 us for a one-row SmolLM2 layer, but its Python call (query copy, cache
 // write, array views, numba's argument checks) another ~50 us, 30 times a forward (~1.5 ms of a ~13 ms step on an
-// Intel Xeon), and it runs on one thread. Here the rows' keys and values are written into the cache buffer, every
-// (row, key/value head) task attends its row's slots, and the tasks are shared out by PyTorch's own thread pool.
-// A task's arithmetic reads nothing of other rows and its every loop runs over its row's own key sequence (length
-// and order the same alone, in a chain or anywhere in a tree), so a row's result is bit-identical whatever the other
-// rows and whichever thread runs it. The results are not the numba kernel's bits (other reduction orders): the int4
+// Intel Xeon), and it runs on one thread. Here the rows' keys and values are written into the cache buffer, then
+// every (block of rows, key/value head) task attends its rows' slots, the tasks shared out by PyTorch's own thread
+// pool. A block's rows read the slots they all attend once between them (a tree's rows share the cached context:
+// 16 rows over 1,024 float16 keys, 30 SmolLM2 layers, 31 -> 22 ms on a Zen 3), but each row's arithmetic is its own:
+// every loop runs over its row's own key sequence (length and order the same alone, in a chain or anywhere in a
+// tree), so a row's result is bit-identical whatever the other rows and whichever thread runs it. The results are not the numba kernel's bits (other reduction orders): the int4
 // decoder uses this kernel on every forward where the extension loads, so its methods and its plain decoding agree.
 // A float16 cache (the int4 path's default) halves what each attended entry costs to read: with 8 sequences of ~500
 // entries a step reads more cache than weights. Entries are rounded once, when written, and every reader widens
@@ -31,6 +32,7 @@ namespace {
 using hierspec_int4::kLanes;
 using hierspec_int4::load;
 using hierspec_int4::exp_vector;
+using hierspec_int4::fmadd;
 using hierspec_int4::vi;
 using hierspec_int4::vf;
 using hierspec_int4::narrow_half;
@@ -107,84 +109,129 @@ struct Operands {
   float* out;  // [rows, heads * dim]
 };
 
-// Scratch of one thread: the scores, then weights, of one row's keys per query head (rows of width + kLanes: the
-// last key block writes whole vectors), their sums, and the task's key, value, query and output addresses
+// Rows are attended in blocks, one key/value head at a time: a block is a few rows of one sequence (one cache block)
+// and the count of leading slots every one of them attends alike (a tree's rows share the whole cached context). A
+// block's shared keys and values are read, and widened, once for all its rows' query heads; each row then reads its
+// own remaining entries. Every (row, query head) takes exactly its own operations in its own order wherever the
+// split falls — each key's score one chain over dim, the weighted values one chain over the row's keys in order — so
+// which rows share a block never changes a bit.
+struct RowBlock {
+  int64_t first, last, shared;  // rows [first, last), their first `shared` slots alike
+};
+
+// keys (values) of a block read per tile, which stays in the first-level cache while every query takes it
+constexpr int64_t kTileBytes = 16 * 1024;
+// queries scored together over each key, as many as the vector registers hold beside their accumulators
+constexpr int kQueryBlock = kLanes == 16 ? 12 : 6;
+// queries weighing each value together (by four vectors of dim: accumulators, the values, a broadcast weight)
+constexpr int kWeighBlock = kLanes == 16 ? 4 : 2;
+// entries fetched ahead of the one read: a block's slots need not be adjacent in memory, so the hardware's own
+// prefetch may not see them coming (one row over 1,024 float16 keys, 30 layers: ~10 % faster)
+constexpr int64_t kPrefetchKeys = 32;
+
+template <typename T>
+inline void prefetch_entry(const T* entry, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(entry);
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+}
+
+// rows in a block at most, so that a block's score lines stay in the second-level cache
+constexpr int64_t kBlockRows = 16;
+
+// One thread's scratch, kept between calls: a score (then weight) line per query of a block (width + 2 kLanes
+// floats: a part writes whole vectors from its first key on), and the block's key, value, query, output and line
+// addresses
 template <typename T>
 struct Scratch {
   std::vector<float> scores, totals;
   std::vector<const T*> keys, values;
   std::vector<const float*> queries;
-  std::vector<float*> outs;
-  explicit Scratch(const Operands<T>& o)
-      : scores(o.groups * (o.width + kLanes)), totals(o.groups), queries(o.groups), outs(o.groups) {}
+  std::vector<float*> outs, lines, parts;
+  int64_t stride = 0;
+  void fit(int64_t queries_, int64_t width) {
+    stride = width + 2 * kLanes;
+    if (static_cast<int64_t>(scores.size()) < queries_ * stride) scores.resize(queries_ * stride);
+    totals.resize(queries_);
+    queries.resize(queries_);
+    outs.resize(queries_);
+    lines.resize(queries_);
+    parts.resize(queries_);
+  }
 };
 
-// Query heads of one key/value head taken together over each key (value) they read, so that it is loaded (and
-// widened) once for all of them: as many as the vector registers hold beside their accumulators
-constexpr int kGroupBlock = kLanes == 16 ? 4 : 2;
-
-// G query heads' lane partials of kLanes keys (key t: keys[min(j0 + t, count - 1)]) and their sums into `scores`
-// (head g's at scores + g * stride): each key's vectors multiplied lane-wise with each query's over the whole vectors
-// in dim order, then lane_sums. C is the count of whole vectors of dim when it is known at compile time (0: read it
-// from `chunks`). A head's operations are the same whichever heads are beside it.
-template <int G, int C, typename T>
-inline void score_block(const float* const* q, const T* const* keys, int64_t j0, int64_t count, int64_t chunks,
-                        float* scores, int64_t stride) {
-  const int64_t n = C > 0 ? C : chunks;
-  vf part[G][kLanes];
-  for (int64_t t = 0; t < kLanes; ++t) {
-    const T* key = keys[std::min(j0 + t, count - 1)];
-    vf sum[G] = {};
-    for (int64_t c = 0; c < n; ++c) {
-      const vf k = load(key + c * kLanes);
-      for (int g = 0; g < G; ++g) sum[g] = load(q[g] + c * kLanes) * k + sum[g];
-    }
-    for (int g = 0; g < G; ++g) part[g][t] = sum[g];
-  }
-  for (int g = 0; g < G; ++g) {
-    const vf sums = lane_sums(part[g]);
-    std::memcpy(scores + g * stride + j0, &sums, sizeof sums);
-  }
-}
-
-// score_block over every key block for G query heads
-template <int G, typename T>
-void score_heads(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* scores,
-                 int64_t stride) {
-  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
-    if (chunks == 64 / kLanes) score_block<G, 64 / kLanes>(q, keys, j0, count, chunks, scores, stride);
-    else if (chunks == 128 / kLanes) score_block<G, 128 / kLanes>(q, keys, j0, count, chunks, scores, stride);
-    else score_block<G, 0>(q, keys, j0, count, chunks, scores, stride);
-  }
-}
-
-// scores[g][j] = q_g · key j for the keys at `keys[j]`, kLanes keys at a time (a last partial block repeats its last
-// key and its extra sums are never read), then the tail of dim in order: every key takes the same operations
-// wherever it falls.
 template <typename T>
-void score_keys(const Operands<T>& o, const float* const* q, const T* const* keys, int64_t count, Scratch<T>& s) {
-  const int64_t dim = o.dim, chunks = dim / kLanes, whole = chunks * kLanes, stride = o.width + kLanes;
-  for (int64_t g0 = 0; g0 < o.groups; g0 += kGroupBlock) {
-    float* scores = s.scores.data() + g0 * stride;
-    switch (std::min<int64_t>(kGroupBlock, o.groups - g0)) {
-      case 1: score_heads<1>(q + g0, keys, count, chunks, scores, stride); break;
-      case 2: score_heads<2>(q + g0, keys, count, chunks, scores, stride); break;
-#if defined(__AVX512F__)
-      case 3: score_heads<3>(q + g0, keys, count, chunks, scores, stride); break;
-      case 4: score_heads<4>(q + g0, keys, count, chunks, scores, stride); break;
-#endif
+Scratch<T>& thread_scratch() {
+  thread_local Scratch<T> scratch;
+  return scratch;
+}
+
+// QB queries' lane partials of kLanes keys at a time (key t: keys[min(j0 + t, count - 1)], so that a last partial
+// block repeats the last key) and their lane_sums into lines[g] + j0: each key's vectors multiplied lane-wise with
+// each query's over the whole vectors of dim in order. C is the count of whole vectors of dim when it is known at
+// compile time (0: read it from `chunks`). A query's operations are the same whichever queries are beside it.
+template <int QB, int C, typename T>
+void score_batch(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* const* lines) {
+  const int64_t n = C > 0 ? C : chunks;
+  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+    vf part[QB][kLanes];
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const T* key = keys[std::min(j0 + t, count - 1)];
+      prefetch_entry(keys[std::min(j0 + t + kPrefetchKeys, count - 1)], n * kLanes);
+      vf sum[QB] = {};
+      for (int64_t c = 0; c < n; ++c) {
+        const vf k = load(key + c * kLanes);
+        for (int g = 0; g < QB; ++g) sum[g] = fmadd(load(q[g] + c * kLanes), k, sum[g]);
+      }
+      for (int g = 0; g < QB; ++g) part[g][t] = sum[g];
+    }
+    for (int g = 0; g < QB; ++g) {
+      const vf sums = lane_sums(part[g]);
+      std::memcpy(lines[g] + j0, &sums, sizeof sums);
     }
   }
-  for (int64_t g = 0; g < o.groups; ++g) {
-    float* scores = s.scores.data() + g * stride;
-    for (int64_t j = 0; whole < dim && j < padded(count); ++j) {
+}
+
+template <int QB, typename T>
+void score_sized(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* const* lines) {
+  if (chunks == 64 / kLanes) score_batch<QB, 64 / kLanes>(q, keys, count, chunks, lines);
+  else if (chunks == 128 / kLanes) score_batch<QB, 128 / kLanes>(q, keys, count, chunks, lines);
+  else score_batch<QB, 0>(q, keys, count, chunks, lines);
+}
+
+template <int QB = kQueryBlock, typename T>
+void score_some(int64_t size, const float* const* q, const T* const* keys, int64_t count, int64_t chunks,
+                float* const* lines) {
+  if constexpr (QB > 0) {
+    if (size == QB) score_sized<QB>(q, keys, count, chunks, lines);
+    else score_some<QB - 1>(size, q, keys, count, chunks, lines);
+  }
+}
+
+// lines[g][j] = q_g · key j for `count` keys at `keys[j]` and `queries` queries: tiles of keys, each taken by every
+// block of queries, kLanes keys at a time (a last partial block repeats its last key, so the line's entries up to
+// whole vectors past `count` are copies of the last key's score), then the tail of dim in order.
+template <typename T>
+void score_queries(const float* const* q, int64_t queries, const T* const* keys, int64_t count, int64_t dim,
+                   float* const* lines) {
+  const int64_t chunks = dim / kLanes, whole = chunks * kLanes;
+  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / (dim * sizeof(T)) / kLanes * kLanes);
+  float* tile_lines[kQueryBlock];
+  for (int64_t j0 = 0; j0 < count; j0 += tile) {
+    const int64_t n = std::min(tile, count - j0);
+    for (int64_t g0 = 0; g0 < queries; g0 += kQueryBlock) {
+      const int64_t size = std::min<int64_t>(kQueryBlock, queries - g0);
+      for (int64_t g = 0; g < size; ++g) tile_lines[g] = lines[g0 + g] + j0;
+      score_some(size, q + g0, keys + j0, n, chunks, tile_lines);
+    }
+  }
+  for (int64_t g = 0; whole < dim && g < queries; ++g)
+    for (int64_t j = 0; j < padded(count); ++j) {
       const T* key = keys[std::min(j, count - 1)];
-      float total = scores[j];
+      float total = lines[g][j];
       // std::fma: one rounding each, whichever the entry type (gcc contracted only the float32 form)
       for (int64_t i = whole; i < dim; ++i) total = std::fma(q[g][i], widen(key[i]), total);
-      scores[j] = total;
+      lines[g][j] = total;
     }
-  }
 }
 
 // The softmax weights of one query head's scores, unnormalised, and their sum: line[j] = exp(scale * line[j] - top)
@@ -211,80 +258,146 @@ float softmax_weights(float* line, float scale, int64_t count) {
   return halving_sum(total);
 }
 
-// out_g = sum_j w[g][j] * value j, for GB query heads and CB vectors of dim from `offset`: each element a chain of
-// multiply-adds over the keys in order, the chains of GB x CB accumulators side by side.
+// out_g += sum_j weights[g][j] * value j over `count` values, for GB queries and CB vectors of dim from `offset`,
+// the sums carried on from out_g where `resume`, else from 0: each element a chain of multiply-adds over the keys in
+// order, the chains of GB x CB accumulators side by side.
 template <int GB, int CB, typename T>
-void weigh_panel(const float* weights, int64_t stride, const T* const* values, int64_t count, int64_t offset,
+void weigh_panel(const float* const* weights, const T* const* values, int64_t count, int64_t offset, bool resume,
                  float* const* out) {
   vf acc[GB][CB];
   for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < CB; ++c) acc[g][c] = vf{};
+    for (int c = 0; c < CB; ++c) acc[g][c] = resume ? load(out[g] + offset + c * kLanes) : vf{};
   for (int64_t j = 0; j < count; ++j) {
+    __builtin_prefetch(values[std::min(j + kPrefetchKeys, count - 1)] + offset);
     vf v[CB];
     for (int c = 0; c < CB; ++c) v[c] = load(values[j] + offset + c * kLanes);
     for (int g = 0; g < GB; ++g) {
-      const float w = weights[g * stride + j];
-      for (int c = 0; c < CB; ++c) acc[g][c] = w * v[c] + acc[g][c];
+      const vf w = vf{} + weights[g][j];
+      for (int c = 0; c < CB; ++c) acc[g][c] = fmadd(w, v[c], acc[g][c]);
     }
   }
   for (int g = 0; g < GB; ++g)
     for (int c = 0; c < CB; ++c) std::memcpy(out[g] + offset + c * kLanes, &acc[g][c], sizeof(vf));
 }
 
-// The weighted values of every query head into out[g] (unnormalised): panels of up to kGroupBlock query heads by
-// four vectors, then what remains of dim's vectors; the tail of dim element by element (the same chain, scalar).
+// weigh_panel over dim's whole vectors: panels of four vectors, then one at a time
 template <int GB, typename T>
-void weigh_heads(const float* w, int64_t stride, const T* const* values, int64_t count, int64_t whole,
-                 float* const* out) {
+void weigh_dim(const float* const* w, const T* const* values, int64_t count, int64_t whole, bool resume,
+               float* const* out) {
   int64_t offset = 0;
-  for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes) weigh_panel<GB, 4>(w, stride, values, count, offset, out);
-  for (; offset < whole; offset += kLanes) weigh_panel<GB, 1>(w, stride, values, count, offset, out);
+  for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes)
+    weigh_panel<GB, 4>(w, values, count, offset, resume, out);
+  for (; offset < whole; offset += kLanes) weigh_panel<GB, 1>(w, values, count, offset, resume, out);
 }
 
+template <int GB = kWeighBlock, typename T>
+void weigh_some(int64_t size, const float* const* w, const T* const* values, int64_t count, int64_t whole,
+                bool resume, float* const* out) {
+  if constexpr (GB > 0) {
+    if (size == GB) weigh_dim<GB>(w, values, count, whole, resume, out);
+    else weigh_some<GB - 1>(size, w, values, count, whole, resume, out);
+  }
+}
+
+// out[g] (+)= sum_j weights[g][j] * value j for `queries` queries over `count` values (unnormalised; carried on
+// from out[g] where `resume`): tiles of values, each taken by every block of queries, then the tail of dim element by
+// element (the same chain, scalar).
 template <typename T>
-void weigh_values(const Operands<T>& o, const float* weights, const T* const* values, int64_t count,
-                  float* const* out) {
-  const int64_t dim = o.dim, whole = dim - dim % kLanes, stride = o.width + kLanes;
-  for (int64_t g = 0; g < o.groups; g += kGroupBlock) {
-    const float* w = weights + g * stride;
-    switch (std::min<int64_t>(kGroupBlock, o.groups - g)) {
-      case 1: weigh_heads<1>(w, stride, values, count, whole, out + g); break;
-      case 2: weigh_heads<2>(w, stride, values, count, whole, out + g); break;
-#if defined(__AVX512F__)
-      case 3: weigh_heads<3>(w, stride, values, count, whole, out + g); break;
-      case 4: weigh_heads<4>(w, stride, values, count, whole, out + g); break;
-#endif
+void weigh_queries(float* const* weights, int64_t queries, const T* const* values, int64_t count, int64_t dim,
+                   bool resume, float* const* out) {
+  const int64_t whole = dim - dim % kLanes;
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / (dim * sizeof(T)));
+  const float* tile_weights[kWeighBlock];
+  for (int64_t j0 = 0; j0 < count; j0 += tile) {
+    const int64_t n = std::min(tile, count - j0);
+    for (int64_t g0 = 0; g0 < queries; g0 += kWeighBlock) {
+      const int64_t size = std::min<int64_t>(kWeighBlock, queries - g0);
+      for (int64_t g = 0; g < size; ++g) tile_weights[g] = weights[g0 + g] + j0;
+      weigh_some(size, tile_weights, values + j0, n, whole, resume || j0 > 0, out + g0);
     }
   }
-  for (int64_t g = 0; g < o.groups; ++g)
+  for (int64_t g = 0; g < queries; ++g)
     for (int64_t i = whole; i < dim; ++i) {
-      float total = 0.f;
-      for (int64_t j = 0; j < count; ++j) total = std::fma(weights[g * stride + j], widen(values[j][i]), total);
+      float total = resume ? out[g][i] : 0.f;
+      for (int64_t j = 0; j < count; ++j) total = std::fma(weights[g][j], widen(values[j][i]), total);
       out[g][i] = total;
     }
 }
 
-// Row `row`, key/value head `head`: softmax(scale * q · k) · v over the row's slots, for its `groups` query heads
+// The cache addresses of `count` slots of cache block `block` into keys and values
 template <typename T>
-void attend_task(const Operands<T>& o, int64_t row, int64_t head, Scratch<T>& s) {
-  const int64_t start = o.indptr[row], count = o.indptr[row + 1] - start, dim = o.dim, stride = o.width + kLanes;
-  const int64_t* slots = o.indices + start;
-  const int64_t block = (o.blocks[row] + head) * o.slots;
+void entry_addresses(const Operands<T>& o, int64_t block, const int64_t* slots, int64_t count, Scratch<T>& s) {
   s.keys.resize(count);
   s.values.resize(count);
   for (int64_t j = 0; j < count; ++j) {
-    s.keys[j] = o.keys + (block + slots[j]) * dim;
-    s.values[j] = o.values + (block + slots[j]) * dim;
+    s.keys[j] = o.keys + (block + slots[j]) * o.dim;
+    s.values[j] = o.values + (block + slots[j]) * o.dim;
   }
-  for (int64_t g = 0; g < o.groups; ++g) {
-    s.queries[g] = o.query + row * o.query_row + (head * o.groups + g) * o.query_head;
-    s.outs[g] = o.out + row * (o.kv_heads * o.groups * dim) + (head * o.groups + g) * dim;
+}
+
+// Rows b.first .. b.last - 1, key/value head `head`: softmax(scale * q · k) · v over each row's slots for its
+// `groups` query heads — the shared slots scored and weighed for every query of the block at once, then each row's
+// own slots for its queries.
+template <typename T>
+void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, Scratch<T>& s) {
+  const int64_t groups = o.groups, dim = o.dim, queries = (b.last - b.first) * groups;
+  s.fit(queries, o.width);
+  for (int64_t r = b.first; r < b.last; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t i = (r - b.first) * groups + g, j = head * groups + g;
+      s.queries[i] = o.query + r * o.query_row + j * o.query_head;
+      s.outs[i] = o.out + r * (o.kv_heads * groups * dim) + j * dim;
+      s.lines[i] = s.scores.data() + i * s.stride;
+      s.parts[i] = s.lines[i] + b.shared;
+    }
+  const int64_t block = (o.blocks[b.first] + head) * o.slots;
+  entry_addresses(o, block, o.indices + o.indptr[b.first], b.shared, s);
+  score_queries(s.queries.data(), queries, s.keys.data(), b.shared, dim, s.lines.data());
+  const auto own = [&](int64_t r) { return o.indptr[r + 1] - o.indptr[r] - b.shared; };
+  for (int64_t r = b.first; r < b.last; ++r) {
+    const int64_t i = (r - b.first) * groups;
+    entry_addresses(o, block, o.indices + o.indptr[r] + b.shared, own(r), s);
+    score_queries(s.queries.data() + i, groups, s.keys.data(), own(r), dim, s.parts.data() + i);
   }
-  score_keys(o, s.queries.data(), s.keys.data(), count, s);
-  for (int64_t g = 0; g < o.groups; ++g) s.totals[g] = softmax_weights(s.scores.data() + g * stride, o.scale, count);
-  weigh_values(o, s.scores.data(), s.values.data(), count, s.outs.data());
-  for (int64_t g = 0; g < o.groups; ++g)
-    for (int64_t d = 0; d < dim; ++d) s.outs[g][d] = s.outs[g][d] / s.totals[g];
+  for (int64_t i = 0; i < queries; ++i) {
+    // past the row's last key, to whole vectors: copies of its score (the same bits its own block would give)
+    const int64_t count = b.shared + own(b.first + i / groups);
+    std::fill(s.lines[i] + count, s.lines[i] + padded(count), s.lines[i][count - 1]);
+    s.totals[i] = softmax_weights(s.lines[i], o.scale, count);
+  }
+  entry_addresses(o, block, o.indices + o.indptr[b.first], b.shared, s);
+  weigh_queries(s.lines.data(), queries, s.values.data(), b.shared, dim, false, s.outs.data());
+  for (int64_t r = b.first; r < b.last; ++r) {
+    const int64_t i = (r - b.first) * groups;
+    entry_addresses(o, block, o.indices + o.indptr[r] + b.shared, own(r), s);
+    weigh_queries(s.parts.data() + i, groups, s.values.data(), own(r), dim, b.shared > 0, s.outs.data() + i);
+  }
+  for (int64_t i = 0; i < queries; ++i)
+    for (int64_t d = 0; d < dim; ++d) s.outs[i][d] = s.outs[i][d] / s.totals[i];
+}
+
+// Each sequence's rows (consecutive rows of one cache block) in `parts` blocks of about equal size, at most
+// kBlockRows rows each, with the count of leading slots all of a block's rows attend alike
+std::vector<RowBlock> row_blocks(const int64_t* ptr, const int64_t* indices, const int64_t* blocks, int64_t rows,
+                                 int64_t parts) {
+  std::vector<RowBlock> out;
+  for (int64_t first = 0; first < rows;) {
+    int64_t end = first + 1;
+    while (end < rows && blocks[end] == blocks[first]) ++end;
+    const int64_t count = std::max((end - first + kBlockRows - 1) / kBlockRows, std::min(parts, end - first));
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t a = first + (end - first) * k / count, z = first + (end - first) * (k + 1) / count;
+      int64_t shared = ptr[a + 1] - ptr[a];
+      for (int64_t r = a + 1; r < z; ++r) {
+        const int64_t* row = indices + ptr[r];
+        shared = std::mismatch(indices + ptr[a], indices + ptr[a] + std::min(shared, ptr[r + 1] - ptr[r]), row).first -
+                 (indices + ptr[a]);
+      }
+      out.push_back(RowBlock{a, z, shared});
+    }
+    first = end;
+  }
+  return out;
 }
 
 void check_int64(const at::Tensor& t, const char* name) {
@@ -369,11 +482,17 @@ void attend_rows(const at::Tensor& q, const at::Tensor& key, const at::Tensor& v
   const Operands<T> o{q.data_ptr<float>(), q.stride(2), q.stride(1), keys, values, buffer_slots, ptr,
                       indices.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), kv_heads, heads / kv_heads, dim,
                       width, static_cast<float>(scale), out.data_ptr<float>()};
-  const int64_t tasks = rows * kv_heads;
+  // a sequence's rows split so that the (block, head) tasks share out evenly over the threads
+  const int64_t threads = at::get_num_threads();
+  int64_t parts = 1;
+  while (parts < threads && (parts * kv_heads) % threads != 0) ++parts;
+  const auto row_set = row_blocks(ptr, o.indices, o.blocks, rows, parts);
+  const int64_t tasks = static_cast<int64_t>(row_set.size()) * kv_heads;
   const int64_t grain = indices.size(0) * heads < kParallelWork ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
-    Scratch<T> scratch(o);
-    for (int64_t task = begin; task < end; ++task) attend_task(o, task / kv_heads, task % kv_heads, scratch);
+    auto& scratch = thread_scratch<T>();
+    for (int64_t task = begin; task < end; ++task)
+      attend_block(o, row_set[task / kv_heads], task % kv_heads, scratch);
   });
 }
 

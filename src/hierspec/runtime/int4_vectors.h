@@ -70,6 +70,18 @@ inline void store_half(uint16_t* p, vf v) {
 
 inline float widen(float x) { return x; }
 
+// a * b + c rounded once (FMA, which every AVX2 and AVX-512 CPU has), spelled out: gcc contracted `a * b + c` in some
+// instantiations of one template and not in others, so that a row's bits depended on the rows beside it
+inline vf fmadd(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  return a * b + c;
+#endif
+}
+
 inline float lane_sum(vf v) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += v[i];
