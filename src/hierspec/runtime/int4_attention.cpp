@@ -8,11 +8,11 @@
 // pool. A block's rows read the slots they all attend once between them (a tree's rows share the cached context:
 // 16 rows over 1,024 float16 keys, 30 SmolLM2 layers, 31 -> 22 ms on a Zen 3), but each row's arithmetic is its own:
 // every loop runs over its row's own key sequence (length and order the same alone, in a chain or anywhere in a
-// tree), so a row's result is bit-identical whatever the other rows and whichever thread runs it. The results are not the numba kernel's bits (other reduction orders): the int4
-// decoder uses this kernel on every forward where the extension loads, so its methods and its plain decoding agree.
-// A float16 cache (the int4 path's default) halves what each attended entry costs to read: with 8 sequences of ~500
-// entries a step reads more cache than weights. Entries are rounded once, when written, and every reader widens
-// the same stored values.
+// tree), so a row's result is bit-identical whatever the other rows and whichever thread runs it. The results are not
+// the numba kernel's bits (other reduction orders): the int4 decoder uses this kernel on every forward where the
+// extension loads, so its methods and its plain decoding agree. A float16 cache (the int4 path's default) halves what
+// each attended entry costs to read: with 8 sequences of ~500 entries a step reads more cache than weights. Entries
+// are rounded once, when written, and every reader widens the same stored values.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
