@@ -139,12 +139,12 @@ inline void prefetch_entry(const T* entry, int64_t count) {
 constexpr int64_t kBlockRows = 16;
 
 // One thread's scratch, kept between calls: a score (then weight) line per query of a block (width + 2 kLanes
-// floats: a part writes whole vectors from its first key on), and the block's key, value, query, output and line
+// floats: a part writes whole vectors from its first key on), and the block's cache entry, query, output and line
 // addresses
 template <typename T>
 struct Scratch {
   std::vector<float> scores, totals;
-  std::vector<const T*> keys, values;
+  std::vector<const T*> keys, values, own_keys, own_values;  // the shared slots'; every row's own, row after row
   std::vector<const float*> queries;
   std::vector<float*> outs, lines, parts;
   int64_t stride = 0;
@@ -324,14 +324,13 @@ void weigh_queries(float* const* weights, int64_t queries, const T* const* value
     }
 }
 
-// The cache addresses of `count` slots of cache block `block` into keys and values
+// The cache addresses of `count` slots of cache block `block`, appended to keys and values
 template <typename T>
-void entry_addresses(const Operands<T>& o, int64_t block, const int64_t* slots, int64_t count, Scratch<T>& s) {
-  s.keys.resize(count);
-  s.values.resize(count);
+void add_entries(const Operands<T>& o, int64_t block, const int64_t* slots, int64_t count,
+                 std::vector<const T*>& keys, std::vector<const T*>& values) {
   for (int64_t j = 0; j < count; ++j) {
-    s.keys[j] = o.keys + (block + slots[j]) * o.dim;
-    s.values[j] = o.values + (block + slots[j]) * o.dim;
+    keys.push_back(o.keys + (block + slots[j]) * o.dim);
+    values.push_back(o.values + (block + slots[j]) * o.dim);
   }
 }
 
@@ -351,13 +350,17 @@ void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, Scratch
       s.parts[i] = s.lines[i] + b.shared;
     }
   const int64_t block = (o.blocks[b.first] + head) * o.slots;
-  entry_addresses(o, block, o.indices + o.indptr[b.first], b.shared, s);
-  score_queries(s.queries.data(), queries, s.keys.data(), b.shared, dim, s.lines.data());
   const auto own = [&](int64_t r) { return o.indptr[r + 1] - o.indptr[r] - b.shared; };
+  // where row r's own entries start among the block's own entries
+  const auto own_start = [&](int64_t r) { return o.indptr[r] - o.indptr[b.first] - (r - b.first) * b.shared; };
+  for (auto* list : {&s.keys, &s.values, &s.own_keys, &s.own_values}) list->clear();
+  add_entries(o, block, o.indices + o.indptr[b.first], b.shared, s.keys, s.values);
+  for (int64_t r = b.first; r < b.last; ++r)
+    add_entries(o, block, o.indices + o.indptr[r] + b.shared, own(r), s.own_keys, s.own_values);
+  score_queries(s.queries.data(), queries, s.keys.data(), b.shared, dim, s.lines.data());
   for (int64_t r = b.first; r < b.last; ++r) {
     const int64_t i = (r - b.first) * groups;
-    entry_addresses(o, block, o.indices + o.indptr[r] + b.shared, own(r), s);
-    score_queries(s.queries.data() + i, groups, s.keys.data(), own(r), dim, s.parts.data() + i);
+    score_queries(s.queries.data() + i, groups, s.own_keys.data() + own_start(r), own(r), dim, s.parts.data() + i);
   }
   for (int64_t i = 0; i < queries; ++i) {
     // past the row's last key, to whole vectors: copies of its score (the same bits its own block would give)
@@ -365,12 +368,11 @@ void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, Scratch
     std::fill(s.lines[i] + count, s.lines[i] + padded(count), s.lines[i][count - 1]);
     s.totals[i] = softmax_weights(s.lines[i], o.scale, count);
   }
-  entry_addresses(o, block, o.indices + o.indptr[b.first], b.shared, s);
   weigh_queries(s.lines.data(), queries, s.values.data(), b.shared, dim, false, s.outs.data());
   for (int64_t r = b.first; r < b.last; ++r) {
     const int64_t i = (r - b.first) * groups;
-    entry_addresses(o, block, o.indices + o.indptr[r] + b.shared, own(r), s);
-    weigh_queries(s.parts.data() + i, groups, s.values.data(), own(r), dim, b.shared > 0, s.outs.data() + i);
+    weigh_queries(s.parts.data() + i, groups, s.own_values.data() + own_start(r), own(r), dim, b.shared > 0,
+                  s.outs.data() + i);
   }
   for (int64_t i = 0; i < queries; ++i)
     for (int64_t d = 0; d < dim; ++d) s.outs[i][d] = s.outs[i][d] / s.totals[i];
