@@ -97,7 +97,6 @@ def test_speculative_sample_acceptance_rate_is_p_over_q():
 
 
 def test_row_predictions_match_numpy_argmax_and_a_stable_sort_with_ties_and_nans_on_the_compiled_extension():
-    from hierspec.accept import row_argmax, row_predictions
     from hierspec.runtime import int4_kernel
 
     module, reason = int4_kernel.compiled_kernel()
@@ -105,22 +104,36 @@ def test_row_predictions_match_numpy_argmax_and_a_stable_sort_with_ties_and_nans
         pytest.skip(reason)
     assert int4_kernel.loaded_kernel() is module
     gen = torch.Generator().manual_seed(3)
-    for n, k in [(49152, 8), (100, 1), (37, 37), (20, 5)]:
-        logits = torch.randint(-40, 40, (6, n), generator=gen).float() / 4  # many ties
-        logits[0, 3] = float("nan")
-        logits[1, : min(n, 50)] = 99.0  # the row's largest all equal: index order
-        logits[2, n - 1] = float("nan")  # a NaN in the tail after the last whole vector
-        logits[3, n // 2 :] = float("nan")
-        logits[4] = float("-inf")
-        argmax, got = row_predictions(logits, k)
-        for row, indices in zip(logits.numpy(), got):
-            expected = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")[:k]
-            assert indices.tolist() == expected.tolist()
-        assert argmax.tolist() == np.argmax(logits.numpy(), axis=1).tolist() == row_argmax(logits).tolist()
-        # other dtypes take NumPy's argmax and PyTorch's topk: the same values (tie order may differ)
-        wide_argmax, wide = row_predictions(logits.double().nan_to_num(-1e9), k)
-        assert wide_argmax.tolist() == np.argmax(logits.nan_to_num(-1e9).numpy(), axis=1).tolist()
-        assert np.array_equal(np.take_along_axis(logits.nan_to_num(-1e9).numpy(), wide, 1),
-                              np.take_along_axis(logits.nan_to_num(-1e9).numpy(), got, 1))
+    threads = torch.get_num_threads()
+    cases = [(n, k, t) for n, k in [(49152, 8), (49152, 1), (20000, 3), (100, 1), (37, 37), (20, 5)] for t in (1, 2)]
+    try:
+        for n, k, t in cases:  # on two threads each long row is read in two stretches whose best are merged
+            _check_row_predictions_on(n, k, t, gen)
+    finally:
+        torch.set_num_threads(threads)
     with pytest.raises(RuntimeError, match="k must be"):
         module.row_topk(torch.zeros(2, 4), 5)
+
+
+def _check_row_predictions_on(n: int, k: int, threads: int, gen: torch.Generator) -> None:
+    from hierspec.accept import row_argmax, row_predictions
+
+    torch.set_num_threads(threads)
+    logits = torch.randint(-40, 40, (6, n), generator=gen).float() / 4  # many ties
+    logits[0, 3] = float("nan")
+    logits[1, : min(n, 50)] = 99.0  # the row's largest all equal: index order
+    logits[2, n - 1] = float("nan")  # a NaN in the tail after the last whole vector
+    logits[3, n // 2 :] = float("nan")
+    logits[4] = float("-inf")
+    argmax, got = row_predictions(logits, k)
+    for row, indices in zip(logits.numpy(), got):
+        expected = np.argsort(-np.where(np.isnan(row), -np.inf, row), kind="stable")[:k]
+        assert indices.tolist() == expected.tolist()
+    assert argmax.tolist() == np.argmax(logits.numpy(), axis=1).tolist() == row_argmax(logits).tolist()
+    # other dtypes take NumPy's argmax and PyTorch's topk: the same values (tie order may differ)
+    wide_argmax, wide = row_predictions(logits.double().nan_to_num(-1e9), k)
+    assert wide_argmax.tolist() == np.argmax(logits.nan_to_num(-1e9).numpy(), axis=1).tolist()
+    assert np.array_equal(np.take_along_axis(logits.nan_to_num(-1e9).numpy(), wide, 1),
+                          np.take_along_axis(logits.nan_to_num(-1e9).numpy(), got, 1))
+    one_argmax, one = row_predictions(logits[5:], k)  # a row alone: the same as among others
+    assert one_argmax.tolist() == argmax[5:].tolist() and one.tolist() == got[5:].tolist()

@@ -11,6 +11,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -47,32 +48,56 @@ inline uint32_t above(const float* row, float threshold, uint32_t* nan) {
 #endif
 }
 
-// the row's k largest entries' indices into out (NaN as -inf) and its NumPy argmax into *argmax: the first NaN if
-// there is one, else the first maximal entry (the list's first)
-void top_of_row(const float* row, int64_t n, int64_t k, int64_t* out, int64_t* argmax) {
-  std::vector<float> values(k, -INFINITY);
-  std::vector<int64_t> indices(k, 0);
+// A stretch of a row: its k best entries (values descending, equal values in index order, NaN as -inf) and its
+// first NaN (-1 if none)
+struct Best {
+  std::vector<float> values;
+  std::vector<int64_t> indices;
   int64_t first_nan = -1;
-  auto note_nan = [&](int64_t i) { if (first_nan < 0 && row[i] != row[i]) first_nan = i; };
-  int64_t j = 0;
-  for (; j < k; ++j) {
+};
+
+// entries [begin, end) of a row (at least k of them) into `best`
+void top_of_range(const float* row, int64_t begin, int64_t end, int64_t k, Best& best) {
+  best.values.assign(k, -INFINITY);
+  best.indices.assign(k, 0);
+  best.first_nan = -1;
+  float* values = best.values.data();
+  int64_t* indices = best.indices.data();
+  auto note_nan = [&](int64_t i) { if (best.first_nan < 0 && row[i] != row[i]) best.first_nan = i; };
+  int64_t j = begin;
+  for (; j < begin + k; ++j) {
     note_nan(j);
-    insert(row[j] == row[j] ? row[j] : -INFINITY, j, values.data(), indices.data(), j + 1);
+    insert(row[j] == row[j] ? row[j] : -INFINITY, j, values, indices, j - begin + 1);
   }
-  for (; j + kLanes <= n; j += kLanes) {
+  for (; j + kLanes <= end; j += kLanes) {
     uint32_t nan = 0;
     for (uint32_t bits = above(row + j, values[k - 1], &nan); bits != 0; bits &= bits - 1) {
       const int64_t i = j + __builtin_ctz(bits);
-      if (row[i] > values[k - 1]) insert(row[i], i, values.data(), indices.data(), k);
+      if (row[i] > values[k - 1]) insert(row[i], i, values, indices, k);
     }
-    if (nan != 0 && first_nan < 0) first_nan = j + __builtin_ctz(nan);
+    if (nan != 0 && best.first_nan < 0) best.first_nan = j + __builtin_ctz(nan);
   }
-  for (; j < n; ++j) {
+  for (; j < end; ++j) {
     note_nan(j);
-    if (row[j] > values[k - 1]) insert(row[j], j, values.data(), indices.data(), k);
+    if (row[j] > values[k - 1]) insert(row[j], j, values, indices, k);
   }
-  for (int64_t i = 0; i < k; ++i) out[i] = indices[i];
-  *argmax = first_nan >= 0 ? first_nan : indices[0];
+}
+
+// The later stretch's best into `into` (the earlier stretch's): what one pass over the whole row would keep, since
+// the later stretch's entries all come after the earlier's (an equal value stays behind the earlier index)
+void merge_later(Best& into, const Best& later, int64_t k) {
+  for (int64_t i = 0; i < k; ++i)
+    if (later.values[i] > into.values[k - 1]) insert(later.values[i], later.indices[i], into.values.data(),
+                                                       into.indices.data(), k);
+  if (into.first_nan < 0) into.first_nan = later.first_nan;
+}
+
+// A row's stretches a thread each: one per thread where every stretch holds at least kStretch entries (and k)
+constexpr int64_t kStretch = 8192;
+
+int64_t stretches_of(int64_t n, int64_t k) {
+  const int64_t threads = at::get_num_threads();
+  return std::max<int64_t>(1, std::min(threads, n / std::max(kStretch, k)));
 }
 
 }  // namespace
@@ -90,8 +115,22 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& logits, int64_t k)
   const float* x = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   int64_t* a = argmax.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) top_of_row(x + r * n, n, k, o + r * k, a + r);
+  // each row in stretches read by the threads side by side, stretch-major: the logits were written by the head's
+  // product one stretch of outputs a thread, and are read where they are cached instead of all by one thread (one
+  // row's argmax took ~0.15 ms of a step on a Zen 3)
+  const int64_t parts = stretches_of(n, k);
+  std::vector<Best> best(parts * rows);
+  at::parallel_for(0, parts * rows, parts > 1 ? 1 : 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t part = t / rows, r = t % rows;
+      top_of_range(x + r * n, n * part / parts, n * (part + 1) / parts, k, best[t]);
+    }
   });
+  for (int64_t r = 0; r < rows; ++r) {
+    Best& row = best[r];
+    for (int64_t part = 1; part < parts; ++part) merge_later(row, best[part * rows + r], k);
+    for (int64_t i = 0; i < k; ++i) o[r * k + i] = row.indices[i];
+    a[r] = row.first_nan >= 0 ? row.first_nan : row.indices[0];
+  }
   return {argmax, out};
 }
