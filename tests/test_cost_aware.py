@@ -199,6 +199,59 @@ def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pay
     assert drafter.plan(8) >= 2 and max(inner.budgets) <= 8 and sizes[-1] >= 3
 
 
+def test_the_plan_and_the_cut_read_as_the_formulas_say_on_random_histories():
+    # the plan reads its rates, shapes and costs in arrays (every step, for every cost-aware method): its choices
+    # are those of the formulas written out one depth at a time, on random acceptance counts, tree shapes, other
+    # generations' rows in the forward, contexts (the curve grows with them) and draft costs
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        drafter = CostAwareDrafter(_Chain(ms=float(rng.choice([0.0, 0.7, 4.0]))), GROWING.context_cost())
+        deepest = int(rng.integers(1, 65))
+        for counts in (drafter._reached, drafter._asked):
+            counts[1:] = rng.uniform(0, 50, counts.shape[0] - 1)
+        drafter._accepted[1:] = drafter._reached[1:] * rng.uniform(0, 1, drafter._reached.shape[0] - 1)
+        drafter._deep[1:] = drafter._asked[1:] * rng.uniform(0, 1, drafter._asked.shape[0] - 1)
+        drafter._nodes[1:] = drafter._deep[1:] * rng.uniform(1, 3, drafter._deep.shape[0] - 1)
+        drafter._shared = (int(rng.integers(0, 40)), float(rng.uniform(0, 20)))
+        drafter._cost_now = drafter._curve.at(int(rng.integers(1, 3000)))
+        assert drafter.plan(deepest) == _plan_by_the_formulas(drafter, deepest)
+        tree = build_tree(1, [list(range(2, 2 + int(rng.integers(1, 12)))) for _ in range(int(rng.integers(1, 4)))])
+        assert drafter.best_depth(tree) == _cut_by_the_formulas(drafter, tree)
+
+
+def _rates_by_the_formulas(drafter, deepest):
+    rates, before, above = [], 1.0, 1.0
+    for d in range(1, deepest + 1):
+        prior = 0.5 if d == 1 else above * above / before
+        rate = min((drafter._accepted[d] + 2.0 * prior) / (drafter._reached[d] + 2.0), above)
+        rates.append(rate)
+        before, above = above, rate
+    return np.array(rates)
+
+
+def _best(gains, ms, shared_tokens):
+    expected = shared_tokens + 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
+    return int(np.argmax(expected / np.array(ms)))
+
+
+def _plan_by_the_formulas(drafter, deepest):
+    if not drafter.can_pay(deepest):
+        return 0
+    asked = drafter._asked[1 : deepest + 1] + 1.0
+    reach, width = (drafter._deep[1 : deepest + 1] + 1.0) / asked, (drafter._nodes[1 : deepest + 1] + 1.0) / asked
+    nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
+    rows, tokens = drafter._shared
+    ms = [drafter.draft_cost(d) + drafter.cost(rows + max(1, round(nodes[d]))) for d in range(deepest + 1)]
+    return _best(reach * _rates_by_the_formulas(drafter, deepest), ms, tokens)
+
+
+def _cut_by_the_formulas(drafter, tree):
+    deepest = int(tree.depths.max())
+    nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
+    rows, tokens = drafter._shared
+    return _best(_rates_by_the_formulas(drafter, deepest), [drafter.cost(rows + int(n)) for n in nodes_up_to], tokens)
+
+
 def test_a_draft_model_learns_no_rejection_from_a_step_it_did_not_draft(tmp_path):
     target = make_target("llama", vocab_size=64, seed=3)
     drafter = make_drafter("sd:draft=self:1,k=3", DrafterContext(target, cost_curve=str(_saved(tmp_path))))

@@ -88,6 +88,8 @@ class CostAwareDrafter(Drafter):
         self._exploring = False
         self._proposed = False
         self._ceiling: float | None = None
+        self._draft_ms: np.ndarray | None = None  # draft_cost(d) for d = 0..MAX_DEPTH (fixed within a process)
+        self._row_ms = _RowCosts()
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
         self.cut_steps = 0
         self.skipped_steps = 0
@@ -139,14 +141,16 @@ class CostAwareDrafter(Drafter):
         show (``r(d-1)² / r(d-2)``, ``r(0) = 1``: the same chance of going one token further), so a drafter whose
         drafts pass 95 % of the time plans deep at once instead of earning each depth at a prior of one half, and one
         that fails often plans shallow."""
-        rates = np.empty(deepest)
+        rates = []
         before, above = 1.0, 1.0  # r(d-2), r(d-1)
-        for d in range(1, deepest + 1):
-            prior = _PRIOR_HITS / _PRIOR_TRIALS if d == 1 else above * above / before
-            rate = min((self._accepted[d] + _PRIOR_TRIALS * prior) / (self._reached[d] + _PRIOR_TRIALS), above)
-            rates[d - 1] = rate
+        # Python floats, not NumPy scalars: the same float64 arithmetic at a fraction of the cost (every step)
+        for accepted, reached in zip(self._accepted[1 : deepest + 1].tolist(),
+                                     self._reached[1 : deepest + 1].tolist()):
+            prior = _PRIOR_HITS / _PRIOR_TRIALS if not rates else above * above / before
+            rate = min((accepted + _PRIOR_TRIALS * prior) / (reached + _PRIOR_TRIALS), above)
+            rates.append(rate)
             before, above = above, rate
-        return rates
+        return np.asarray(rates, dtype=np.float64)
 
     def shape(self, deepest: int) -> tuple[np.ndarray, np.ndarray]:
         """For depths ``1..deepest``: the chance that a draft asked to go that deep reaches it, and its expected
@@ -164,8 +168,17 @@ class CostAwareDrafter(Drafter):
         reach, width = self.shape(deepest)
         nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
         rows, tokens = self._shared
-        ms = [self.draft_cost(d) + self.cost(rows + max(1, round(nodes[d]))) for d in range(deepest + 1)]
+        # round() and np.rint both round halves to even
+        verify_ms = self._row_ms.read(self._cost_now, rows + np.maximum(1, np.rint(nodes).astype(np.int64)))
+        ms = self.draft_costs()[: deepest + 1] + verify_ms
         return _most_per_ms(reach * self.rates(deepest), ms, tokens)
+
+    def draft_costs(self) -> np.ndarray:
+        """``draft_cost(d)`` for ``d = 0..MAX_DEPTH`` (computed once: drafting costs do not change within a
+        process)."""
+        if self._draft_ms is None:
+            self._draft_ms = np.array([self.draft_cost(d) for d in range(MAX_DEPTH + 1)], dtype=np.float64)
+        return self._draft_ms
 
     def can_pay(self, deepest: int) -> bool:
         """Whether drafting could beat plain decoding by :data:`MIN_CEILING` if every draft token of a chain were
@@ -185,7 +198,7 @@ class CostAwareDrafter(Drafter):
         deepest = min(int(tree.depths.max()), MAX_DEPTH)
         nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
         rows, tokens = self._shared
-        return _most_per_ms(self.rates(deepest), [self.cost(rows + int(n)) for n in nodes_up_to], tokens)
+        return _most_per_ms(self.rates(deepest), self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -258,7 +271,25 @@ class CostAwareDrafter(Drafter):
         return {**self.inner.describe(), "cost_aware": True, "draft_ms_per_token": round(self.draft_cost(1), 3)}
 
 
-def _most_per_ms(gains: np.ndarray, ms: list[float], shared_tokens: float = 0.0) -> int:
+class _RowCosts:
+    """A cost curve read at many row counts at once: each count's cost computed once per curve (the plan reads up
+    to :data:`MAX_DEPTH` + 1 counts every step; one curve serves a whole context step)."""
+
+    def __init__(self) -> None:
+        self._curve: Callable[[int], float] | None = None
+        self._ms = np.zeros(1)  # index = rows (0 never read)
+
+    def read(self, curve: Callable[[int], float], rows: np.ndarray) -> np.ndarray:
+        """``curve(r)`` for every ``r`` of ``rows`` (each >= 1)."""
+        if curve is not self._curve:
+            self._curve, self._ms = curve, np.zeros(1)
+        known, most = self._ms.shape[0], int(rows.max())
+        if most >= known:
+            self._ms = np.concatenate([self._ms, [curve(r) for r in range(known, most + 1)]])
+        return self._ms[rows]
+
+
+def _most_per_ms(gains: np.ndarray, ms, shared_tokens: float = 0.0) -> int:
     """The depth ``D`` (0..len(gains)) with the most expected tokens, ``shared_tokens + 1 + gains[:D].sum()`` (the
     other generations' in the same forward first), per ``ms[D]``."""
     expected = shared_tokens + 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
