@@ -327,11 +327,22 @@ inline FV widened(const int8_t* values) { return _mm256_cvtepi32_ps(_mm256_cvtep
 // is read while earlier steps are multiplied (the int4_amx.cpp idea; without it, products of a few rows took the
 // time of their memory and their arithmetic one after the other). Prefetching past a tensor's end is harmless. Forced
 // inline: gcc may otherwise find the helpers free of side effects and drop them.
+//
+// Weights read once (every row in one pass: a decoding step, a small tree) are fetched non-temporally, so that they
+// evict less of what a decoding step keeps using from the outer caches (the KV cache, the activations, the
+// drafter's and the interpreter's data between two forwards). Zen 3, SmolLM2, the decoding loop with the same cost
+// curve on both sides (thirty-seventh session, BENCHMARKS.md): `ar`'s one-row forwards 6 % faster, `hd`'s 3 %
+// (means of three alternations; forwards timed back to back without the loop between them: no difference). Weights
+// that several passes of rows read again keep the default hint: fetched non-temporally, 8- and 16-row forwards
+// took 15-25 % longer.
 constexpr int64_t kPrefetchBytes = 2048;
 
-__attribute__((always_inline)) inline void prefetch_lines(const void* start, int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_lines(const void* start, int64_t bytes, bool once) {
   const char* ahead = static_cast<const char*>(start);
-  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  for (int64_t line = 0; line < bytes; line += 64) {
+    if (once) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+    else _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
 }
 
 // A product's codes: [1, blocks, steps, ...] of kStepBytes a step
@@ -354,10 +365,11 @@ struct Stored {
     return widened(bias + (block * groups + group) * kBlock + part * kWidth);
   }
   // the lines of `count` groups from `group` on, `ahead` groups later
-  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
+  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead,
+                                               bool once) const {
     const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock * sizeof(S);
-    prefetch_lines(scale + at, bytes);
-    if (bias != nullptr) prefetch_lines(bias + at, bytes);
+    prefetch_lines(scale + at, bytes, once);
+    if (bias != nullptr) prefetch_lines(bias + at, bytes, once);
   }
 };
 
@@ -383,10 +395,11 @@ struct Factored {
   }
   // the steps' lines of `count` groups from `group` on, `ahead` groups later (the units, 1/16 of the codes' bytes or
   // less, are left to the hardware's prefetcher)
-  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead) const {
+  __attribute__((always_inline)) void prefetch(int64_t block, int64_t group, int64_t count, int64_t ahead,
+                                               bool once) const {
     const int64_t at = (block * groups + group + ahead) * kBlock, bytes = count * kBlock;
-    prefetch_lines(scale + at, bytes);
-    if (bias != nullptr) prefetch_lines(bias + at, bytes);
+    prefetch_lines(scale + at, bytes, once);
+    if (bias != nullptr) prefetch_lines(bias + at, bytes, once);
   }
 };
 
@@ -438,8 +451,8 @@ struct FourBit {
   static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
     return {source.scale_at(block, s, part), source.bias_at(block, s, part)};
   }
-  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
-    source.prefetch(block, s, 1, kPrefetchBytes / kStepBytes);
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
+    source.prefetch(block, s, 1, kPrefetchBytes / kStepBytes, once);
   }
 
   // a part of a step's quads: quads c and c + 4 from chunk c's low and high nibbles
@@ -525,8 +538,8 @@ struct EightBit {
   static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
     return {source.scale_at(block, 2 * s, part), source.scale_at(block, 2 * s + 1, part)};
   }
-  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s) {
-    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes));
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
+    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
   }
 
   static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
@@ -564,17 +577,18 @@ struct EightBit {
   }
 };
 
-// outputs of one block for rows r0 .. r0 + MT into out [rows, N]
+// outputs of one block for rows r0 .. r0 + MT into out [rows, N]; `once`: the only pass over the block's weights
 template <int MT, bool Two, class Form, class Source>
-void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
+void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, bool once,
+                float* out) {
   constexpr int64_t kCodes = Two ? 2 : 1;
   FV acc[MT][kParts];
   for (int m = 0; m < MT; ++m)
     for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
-    prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes);
-    Form::prefetch(source, block, s);
+    prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes, once);
+    Form::prefetch(source, block, s, once);
     for (int part = 0; part < kParts; ++part) {
       typename Form::Quads quads;
       Form::decode(codes + s * Form::kStepBytes, part, quads);
@@ -605,20 +619,21 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
 
 template <bool Two, class Form, class Source>
 void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block, float* out) {
+  const bool once = rows <= kRowsPerPass;
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     switch (std::min<int64_t>(kRowsPerPass, rows - r0)) {
-      case 12: block_rows<12, Two, Form>(w, source, x, block, r0, out); break;
-      case 11: block_rows<11, Two, Form>(w, source, x, block, r0, out); break;
-      case 10: block_rows<10, Two, Form>(w, source, x, block, r0, out); break;
-      case 9: block_rows<9, Two, Form>(w, source, x, block, r0, out); break;
-      case 8: block_rows<8, Two, Form>(w, source, x, block, r0, out); break;
-      case 7: block_rows<7, Two, Form>(w, source, x, block, r0, out); break;
-      case 6: block_rows<6, Two, Form>(w, source, x, block, r0, out); break;
-      case 5: block_rows<5, Two, Form>(w, source, x, block, r0, out); break;
-      case 4: block_rows<4, Two, Form>(w, source, x, block, r0, out); break;
-      case 3: block_rows<3, Two, Form>(w, source, x, block, r0, out); break;
-      case 2: block_rows<2, Two, Form>(w, source, x, block, r0, out); break;
-      default: block_rows<1, Two, Form>(w, source, x, block, r0, out); break;
+      case 12: block_rows<12, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 11: block_rows<11, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 10: block_rows<10, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 9: block_rows<9, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 8: block_rows<8, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 7: block_rows<7, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 6: block_rows<6, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 5: block_rows<5, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 4: block_rows<4, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 3: block_rows<3, Two, Form>(w, source, x, block, r0, once, out); break;
+      case 2: block_rows<2, Two, Form>(w, source, x, block, r0, once, out); break;
+      default: block_rows<1, Two, Form>(w, source, x, block, r0, once, out); break;
     }
   }
 }
