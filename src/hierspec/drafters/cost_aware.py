@@ -184,9 +184,8 @@ class CostAwareDrafter(Drafter):
         """Whether drafting could beat plain decoding by :data:`MIN_CEILING` if every draft token of a chain were
         accepted (computed once; drafting costs do not change within a process)."""
         if self._ceiling is None:
-            plain = self.cost(1)
-            self._ceiling = max((1 + d) * plain / (self.draft_cost(d) + self.cost(1 + d))
-                                for d in range(1, deepest + 1))
+            plain, drafting = self.cost(1), self.draft_costs()
+            self._ceiling = max((1 + d) * plain / (drafting[d] + self.cost(1 + d)) for d in range(1, deepest + 1))
             if self._ceiling < MIN_CEILING:
                 log.warning("%s: drafting cannot pay on this machine (%.1f ms per drafted token against %.1f ms per "
                             "target step; at best %.2fx with every draft accepted): decoding without drafts",
@@ -289,7 +288,7 @@ class _RowCosts:
         return self._ms[rows]
 
 
-def _most_per_ms(gains: np.ndarray, ms, shared_tokens: float = 0.0) -> int:
+def _most_per_ms(gains: np.ndarray, ms: np.ndarray, shared_tokens: float = 0.0) -> int:
     """The depth ``D`` (0..len(gains)) with the most expected tokens, ``shared_tokens + 1 + gains[:D].sum()`` (the
     other generations' in the same forward first), per ``ms[D]``."""
     expected = shared_tokens + 1.0 + np.concatenate([[0.0], np.cumsum(gains)])
