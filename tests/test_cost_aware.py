@@ -98,6 +98,35 @@ def test_measure_cost_curve_on_a_tiny_model(tmp_path):
     assert default_curve_path(target, tmp_path) == default_curve_path(target, tmp_path)  # stable name
 
 
+
+@pytest.mark.parametrize("long_context", [0, 96])
+def test_a_cost_curve_keeps_its_shape_on_a_machine_whose_speed_changes_between_sizes(monkeypatch, long_context):
+    """A fake clock: a forward of n rows takes 1 + n / 10 ms times a slowdown that changes from one size to the next
+    (the one-token forward paired with a size runs at that size's slowdown). The curve's ratios are the forwards'
+    own; the one-token time is the median of the pairs'."""
+    import hierspec.calibration as calibration
+
+    target = make_target("llama", vocab_size=64, seed=0, max_positions=256)
+    clock, calls = [0.0], [0]
+    forward = target.forward_tree
+    per_size = 1 + (1 if long_context else 0) + 1  # the pair, then the size over each context
+
+    def slowed_forward(cache, tree, *args, **kwargs):
+        out = forward(cache, tree, *args, **kwargs)
+        slowdown = 1 + (calls[0] // per_size) % 4  # 1, 2, 3, 4, 1, ... from one size to the next
+        clock[0] += (1 + tree.size / 10) * slowdown / 1000
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(target, "forward_tree", slowed_forward)
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    curve = measure_cost_curve(target, sizes=(1, 2, 4, 8), context=16, repeats=3, long_context=long_context)
+    slowdowns = [1 + i % 4 for i in range(4, 16)]  # the three measured rounds' sizes (the first round warms up)
+    one = 1.1 * float(np.median(slowdowns))
+    assert curve.ms == pytest.approx(tuple(one * (1 + n / 10) / 1.1 for n in (1, 2, 4, 8)), rel=1e-9)
+    if long_context:
+        assert curve.long_ms == pytest.approx(curve.ms, rel=1e-9)  # the fake costs do not grow with the context
+
 def test_cut_to_depth_keeps_a_breadth_first_prefix():
     tree = build_tree(9, [[1, 2, 3], [1, 4], [5]], sources=["a", "b", "c"])
     cut = cut_to_depth(tree, 1)

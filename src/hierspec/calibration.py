@@ -154,12 +154,17 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
 def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
                        repeats: int = 5, seed: int = 0, desc: str = "calibrating",
                        long_context: int = 0) -> CostCurve:
-    """Median time of a verification forward of each size over a random ``context``-token prefix (and, with
+    """The time of a verification forward of each size over a random ``context``-token prefix (and, with
     ``long_context`` > ``context``, over a ``long_context``-token prefix too, shortened to what the model's context
     holds beside the largest tree).
 
-    One prefilled cache per context serves every forward (the tree's entries are dropped after each), and the sizes
-    and contexts take turns within each repeat, so a drift in the machine's speed spreads over all of them alike.
+    One prefilled cache per context serves every forward (the tree's entries are dropped after each). Every forward
+    of a size is paired with a one-token forward over ``context`` just before it (just after it every other round:
+    the second of two forwards runs faster): a size's cost is the median of its ratios to its pair times the median
+    one-token time (every pair's). A machine whose speed drifts, or
+    that another process slows for a moment, moves both forwards of a pair alike, so the curve's shape — what sizes
+    the trees — no longer rests on a few one-token forwards: on a 2-core Zen 3 whose one-token forward varied from
+    7.5 to 17 ms within a minute, independent two-round curves put 2 rows at 0.89-1.22x one row.
     """
     if not sizes or min(sizes) < 1:
         raise InputError("cost-curve sizes must be >= 1")
@@ -170,28 +175,42 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, target.vocab_size, size=contexts[-1]).tolist()
     sizes = tuple(sorted(set(sizes)))
-    trees = [build_tree(ids[context - 1], [rng.integers(0, target.vocab_size, size=size - 1).tolist()]
-                        if size > 1 else []) for size in sizes]
+    root = ids[context - 1]
+    one = build_tree(root, [])
+    trees = [build_tree(root, [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
+             for size in sizes]
     caches = []
     for length in contexts:
         cache = target.new_cache(capacity=length + max(sizes) + 1)
         target.prefill(cache, ids[: length - 1])
         caches.append((cache, cache.get_seq_length()))
-    times = [[[] for _ in sizes] for _ in contexts]
+
+    def timed(cache, past: int, tree) -> float:
+        target.synchronize()
+        start = time.perf_counter()
+        target.forward_tree(cache, tree)
+        target.synchronize()
+        elapsed = 1000 * (time.perf_counter() - start)
+        target.keep_path(cache, past, [0])
+        cache.crop(-1)
+        return elapsed
+
+    ones: list[float] = []
+    ratios = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
-            for (cache, past), timed in zip(caches, times):
-                target.synchronize()
-                start = time.perf_counter()
-                target.forward_tree(cache, tree)
-                target.synchronize()
-                if repeat:  # the first round warms up
-                    timed[index].append(1000 * (time.perf_counter() - start))
-                target.keep_path(cache, past, [0])
-                cache.crop(-1)
-    medians = [tuple(statistics.median(t) for t in timed) for timed in times]
-    long = (contexts[1], medians[1]) if len(contexts) > 1 else (0, ())
-    return CostCurve(sizes, medians[0], machine_identity(target), context, *long)
+            first = repeat % 2 == 0  # a forward right after another is faster: the pair goes first every other round
+            pair = timed(*caches[0], one) if first else 0.0
+            spent = [timed(cache, past, tree) for cache, past in caches]
+            pair = pair if first else timed(*caches[0], one)
+            if repeat:  # the first round warms up
+                ones.append(pair)
+                for ratio, ms in zip(ratios, spent):
+                    ratio[index].append(ms / pair)
+    one_ms = statistics.median(ones)
+    curves = [tuple(one_ms * statistics.median(r) for r in ratio) for ratio in ratios]
+    long = (contexts[1], curves[1]) if len(contexts) > 1 else (0, ())
+    return CostCurve(sizes, curves[0], machine_identity(target), context, *long)
 
 
 def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[int], float]:
@@ -218,9 +237,9 @@ def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[in
     return curve.context_cost(buckets)
 
 
-#: tree sizes and repeats of the curve measured when none was saved (a few seconds for a 135M model on 2 cores)
+#: tree sizes and paired rounds of the curve measured when none was saved (~8 s for a 135M model on 2 cores)
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
-AUTO_REPEATS = 2
+AUTO_REPEATS = 6
 #: the long context the automatic curve is also measured over
 AUTO_LONG_CONTEXT = 1024
 
