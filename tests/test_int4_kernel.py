@@ -322,8 +322,9 @@ def test_a_decoding_products_rows_are_bit_identical_whatever_rows_are_multiplied
 def test_decoding_products_rows_are_bit_identical_across_every_way_of_splitting_them(kernel):
     """AMX: one column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a
     last single tile); AVX512-BF16: one pass decoding as it goes (up to 8 rows), several passes over the decoded
-    steps (9 on, the last pass of 1 to 8 rows); AVX512-VNNI: passes of up to 8 rows. The rows' products never
-    change."""
+    steps (9 on, the last pass of 1 to 8 rows); AVX512-VNNI: passes of up to 12 rows; AVX2: passes of up to 8 rows
+    (8-bit codes, and 4-bit ones of one or two rows), else tiles of 3 to 6 rows (one of 3-6, more of 3 or 4). The
+    rows' products never change."""
     pack4, pack8, *_ = kernel
     generator = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)
@@ -333,7 +334,7 @@ def test_decoding_products_rows_are_bit_identical_across_every_way_of_splitting_
     rows = torch.randn(70, 96, generator=generator)
     for packed in packs:
         whole = k.int4_mm(MODULE, rows, packed)
-        for count in (1, 2, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65):
+        for count in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65):
             assert torch.equal(k.int4_mm(MODULE, rows[:count].contiguous(), packed), whole[:count]), count
             assert torch.equal(k.int4_mm(MODULE, rows[70 - count:].contiguous(), packed), whole[70 - count:]), count
 

@@ -618,15 +618,17 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
 }
 
 #if HIERSPEC_VNNI == 256
-// AVX2, 4-bit codes, rows as one code, more than a few rows: a tile of MT rows whose int16 sums of both parts stay in
+// AVX2, 4-bit codes, rows as one code, 3 rows or more: a tile of MT rows whose int16 sums of both parts stay in
 // registers (2 MT + the quad's two parts + a row's broadcast of AVX2's 16) while the step's quads go by one at a
 // time, each row's quad broadcast once for both parts. block_rows keeps a part's 8 quads in registers instead and
 // broadcasts every row's quad once a part; with 8 rows its sums and accumulators did not fit in the registers either.
 // The integer sums are exact in any order and each (row, output) takes FourBit::finish's float32 operations: the same
 // bits. Zen 3, SmolLM2's 30 layers' products on two threads, weights streamed, alternating with block_rows in one
-// process (thirty-eighth session): 5-8 rows 3-13 % faster, 12-64 rows 10-17 %.
+// process (thirty-eighth session): 3-4 rows ~10 % faster, 5-8 rows 3-13 %, 12-64 rows 10-17 %; Q4_K-shaped products
+// (Qwen2.5-Coder-1.5B's, factored scales) 10-22 % at 5-64 rows.
 template <int MT, class Source>
-void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, float* out) {
+void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, bool once,
+                      float* out) {
   using Form = FourBit<Source>;
   FV acc[MT][kParts];
   for (int m = 0; m < MT; ++m)
@@ -634,8 +636,8 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
   const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
   for (int64_t s = 0; s < w.steps; ++s) {
     const uint8_t* step = codes + s * Form::kStepBytes;
-    prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, false);
-    Form::prefetch(source, block, s, false);
+    prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, once);
+    Form::prefetch(source, block, s, once);
     const int64_t first = x.at(r0, s);
     const int8_t* row_codes = x.codes + kStep * first;
     const RowStep* row_steps = x.steps + first;
@@ -671,24 +673,26 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
       store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
 }
 
-// Rows of a 4-bit product (one code a row) taken by block_rows_quads: from kQuadsFrom rows on. Up to kOneQuadTile rows
-// make one tile; more, tiles of 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one
-// row; tiles of 4 measured faster than of 6 from 7 rows on, of 6 faster at 5 and 6).
-constexpr int64_t kQuadsFrom = 5, kOneQuadTile = 6, kQuadTile = 4;
+// Rows of a 4-bit product (one code a row) taken by block_rows_quads: from kQuadsFrom rows on (one and two rows measured
+// the same either way, and one row's path is the one tuned for decoding). Up to kOneQuadTile rows make one tile; more,
+// tiles of 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one row; tiles of 4
+// measured faster than of 6 from 7 rows on, of 6 faster at 5 and 6).
+constexpr int64_t kQuadsFrom = 3, kOneQuadTile = 6, kQuadTile = 4;
 
 template <class Source>
 void block_rows_in_quads(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block,
                          float* out) {
   const int64_t tiles = rows <= kOneQuadTile ? 1 : (rows + kQuadTile - 1) / kQuadTile;
+  const bool once = tiles == 1;  // the only pass over the block's weights: fetched non-temporally, as in block_rows
   for (int64_t tile = 0, r0 = 0; tile < tiles; ++tile) {
     const int64_t count = (rows - r0) / (tiles - tile);  // the rows left shared out evenly, the larger tiles last
     switch (count) {
-      case 6: block_rows_quads<6>(w, source, x, block, r0, out); break;
-      case 5: block_rows_quads<5>(w, source, x, block, r0, out); break;
-      case 4: block_rows_quads<4>(w, source, x, block, r0, out); break;
-      case 3: block_rows_quads<3>(w, source, x, block, r0, out); break;
-      case 2: block_rows_quads<2>(w, source, x, block, r0, out); break;
-      default: block_rows_quads<1>(w, source, x, block, r0, out); break;
+      case 6: block_rows_quads<6>(w, source, x, block, r0, once, out); break;
+      case 5: block_rows_quads<5>(w, source, x, block, r0, once, out); break;
+      case 4: block_rows_quads<4>(w, source, x, block, r0, once, out); break;
+      case 3: block_rows_quads<3>(w, source, x, block, r0, once, out); break;
+      case 2: block_rows_quads<2>(w, source, x, block, r0, once, out); break;
+      default: block_rows_quads<1>(w, source, x, block, r0, once, out); break;
     }
     r0 += count;
   }
