@@ -159,12 +159,12 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     holds beside the largest tree).
 
     One prefilled cache per context serves every forward (the tree's entries are dropped after each). Every forward
-    of a size is paired with a one-token forward over ``context`` just before it (just after it every other round:
-    the second of two forwards runs faster): a size's cost is the median of its ratios to its pair times the median
-    one-token time (every pair's). A machine whose speed drifts, or
+    of a size is paired with a one-token forward over ``context``, just before it and just after it in alternate
+    rounds (so that whatever going first or second does to a forward's time falls on both sides alike): a size's
+    cost is the median of its ratios to its pair times the median one-token time. A machine whose speed drifts, or
     that another process slows for a moment, moves both forwards of a pair alike, so the curve's shape — what sizes
-    the trees — no longer rests on a few one-token forwards: on a 2-core Zen 3 whose one-token forward varied from
-    7.5 to 17 ms within a minute, independent two-round curves put 2 rows at 0.89-1.22x one row.
+    the trees — does not rest on a few one-token forwards (on a 2-core Zen 3 whose one-token forward varied from 7.5
+    to 17 ms within a minute, curves of two unpaired rounds put 2 rows at 0.89-1.22x one row).
     """
     if not sizes or min(sizes) < 1:
         raise InputError("cost-curve sizes must be >= 1")
@@ -199,7 +199,7 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     ratios = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
-            first = repeat % 2 == 0  # a forward right after another is faster: the pair goes first every other round
+            first = repeat % 2 == 0  # the pair goes first in alternate rounds
             pair = timed(*caches[0], one) if first else 0.0
             spent = [timed(cache, past, tree) for cache, past in caches]
             pair = pair if first else timed(*caches[0], one)

@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--long-context", type=int, default=1024,
                            help="a second, long context the curve is also measured over (drafters interpolate "
                                 "between the two by each step's context; 0 = the short one only)")
-    calibrate.add_argument("--repeats", type=int, default=5, help="timed forwards per size (median)")
+    calibrate.add_argument("--repeats", type=int, default=5,
+                           help="timed rounds, each forward paired with a one-token one (medians of the ratios)")
     calibrate.add_argument("--out", default=None, help="file to write (default: the cache location drafters read)")
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
