@@ -199,10 +199,12 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     ratios = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
-            first = repeat % 2 == 0  # the pair goes first in alternate rounds
-            pair = timed(*caches[0], one) if first else 0.0
-            spent = [timed(cache, past, tree) for cache, past in caches]
-            pair = pair if first else timed(*caches[0], one)
+            if repeat % 2 == 0:  # the pair goes first in alternate rounds
+                pair = timed(*caches[0], one)
+                spent = [timed(cache, past, tree) for cache, past in caches]
+            else:
+                spent = [timed(cache, past, tree) for cache, past in caches]
+                pair = timed(*caches[0], one)
             if repeat:  # the first round warms up
                 ones.append(pair)
                 for ratio, ms in zip(ratios, spent):

@@ -473,7 +473,8 @@ struct FourBit {
   // weights are in cache 15-20 % faster at 8 and 16 rows (one thread); SmolLM2's 30 layers' products, streamed on two
   // threads and interleaved in one process with the row-by-row order, 6-12 % at 16 rows, 0-11 % at 4 and 8, one row
   // unchanged within the noise. AVX-512 keeps the row-by-row order it was measured in (12 rows' sums would not fit
-  // its registers beside the accumulators).
+  // its registers beside the accumulators). Since the thirty-eighth session, rows as one code go through this pass
+  // for one and two rows only (block_rows_quads takes 3 or more); rows as two codes, at any count.
   static constexpr bool kSumsFirst = HIERSPEC_VNNI == 256;
   template <bool Two>
   static Sums sums(const Quads& q, const int8_t* codes, const RowStep&) {
