@@ -10,6 +10,9 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
+from hierspec.datastore.successors import SuccessorTable
+from hierspec.drafters.cost_aware import CostAwareDrafter
+from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, draft_model_of
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
@@ -302,6 +305,37 @@ def test_retrieval_first_hsddw_reproduces_plain_decoding(target):
         prompts.append(motif * 3 + motif[:2])
     _check_identity(target, drafter, prompts)
     assert drafter.report()["first_drafted"] > 0
+
+
+def test_hd_with_a_draft_model_reproduces_plain_decoding_and_the_model_adds_tokens(target):
+    """hd's databases pre-verified and continued by a draft model (issue 26: a draft model as one more source; 3 of
+    the target's 4 layers, so that its tokens pass), cost-aware sizing off so that every step drafts."""
+    hd = HierarchyDrafter(HierarchyConfig(l=1, m=4, order="act"), successors=SuccessorTable(VOCAB, 4))
+    drafter = HSDDWDrafter(hd, DraftLM(self_drafting_model(target, 3)), HSDDWConfig(tau=3.0, max_block=8))
+    rng = np.random.default_rng(9)
+    prompts = [(motif := rng.integers(1, VOCAB, size=5).tolist()) * 3 + motif[:2] for _ in range(4)]
+    assert _check_identity(target, drafter, prompts + _prompts(3, seed=9)) > 0
+    report = drafter.report()
+    assert report["first_drafted"] > 0 and report["middle_tokens"] > 0
+
+
+def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
+    alone = make_drafter("hd", DrafterContext(target, find_default_stores=False))
+    assert isinstance(alone, HierarchyDrafter)
+    with_cli = make_drafter("hd", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
+    assert isinstance(with_cli, CostAwareDrafter) and isinstance(with_cli.inner, HSDDWDrafter)
+    assert isinstance(with_cli.inner.first, HierarchyDrafter)
+    assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1
+    off = make_drafter("hd:draft=off", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
+    assert isinstance(off, HierarchyDrafter)
+    named = make_drafter("hd:draft=self:2", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
+    assert named.inner.middle.model.model.config.num_hidden_layers == 2
+    # hsddw's first level is hd without a middle model of its own
+    three = make_drafter("hsddw:first=hd,middle=self:3", DrafterContext(target, find_default_stores=False,
+                                                                        draft_model="self:1")).inner
+    assert isinstance(three.first, HierarchyDrafter) and three.middle.model.model.config.num_hidden_layers == 3
+    assert draft_model_of("auto", None) is None and draft_model_of("off", "m") is None
+    assert draft_model_of("auto", "m") == "m" and draft_model_of("self:2", "m") == "self:2"
 
 
 def test_sd_methods_parse_their_options(target):

@@ -30,3 +30,31 @@ def test_hsddw_with_two_tiny_models_matches_exact_distribution():
     assert forwards_per_run < 3.0, "no block token was ever accepted: acceptance would go untested"
     pvalue = chi_square_pvalue(counts, joint, RUNS)
     assert pvalue > 1e-3, f"p = {pvalue:.2e}"
+
+
+def test_hd_pre_verified_by_a_draft_model_matches_exact_distribution():
+    """``hd`` with a draft model (:func:`~hierspec.drafters.hsddw.pre_verified`, the cost-aware wrapper included):
+    the databases' deterministic tree pre-verified by a tiny Qwen2, which continues it, then the target."""
+    from hierspec.datastore.recent_outputs import RecentOutputs
+    from hierspec.datastore.successors import SuccessorTable
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+    from hierspec.drafters.hsddw import pre_verified
+
+    target = make_target("llama", vocab_size=VOCAB, seed=12, layers=1, hidden=16, init_std=0.2)
+    middle = make_target("qwen2", vocab_size=VOCAB, seed=33, layers=1, hidden=16, init_std=0.2)
+    outputs = RecentOutputs(max_tokens=200)
+    outputs.add([1, 2, 3, 1, 2, 5, 5, 0, 7])
+    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
+    joint = exact_joint(exact_table(target, sampling))
+
+    def drafter():  # a draft forward at a tenth of a target forward: drafting pays on this curve
+        hd = HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
+                              successors=SuccessorTable(VOCAB, 4), outputs=outputs)
+        return pre_verified(hd, DraftLM(middle, step_cost=lambda rows: 1.0), lambda rows: 10.0 + 0.1 * rows)
+
+    counts, forwards_per_run = sample_counts(target, drafter, sampling, RUNS)
+    assert counts.sum() == RUNS
+    assert counts[joint == 0].sum() == 0, "a token outside the warped support was emitted"
+    assert forwards_per_run < 3.0, "no block token was ever accepted: acceptance would go untested"
+    pvalue = chi_square_pvalue(counts, joint, RUNS)
+    assert pvalue > 1e-3, f"p = {pvalue:.2e}"

@@ -26,6 +26,7 @@ At temperature 0 the same structure runs with argmax rules, and the output is th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from hierspec.accept import Verdict, verify, warp_probs
 from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.cost_aware import CostAwareDrafter
 from hierspec.drafters.draft_model import (
     DraftModelConfig,
     DraftModelDrafter,
@@ -182,6 +184,14 @@ class HSDDWDrafter(Drafter):
         return {**super().describe(), "first": self.first.describe(), "middle_model": self.middle.model.name}
 
 
+def pre_verified(first: Drafter, middle: DraftLM, cost: Callable[[int], float]) -> Drafter:
+    """``first``'s drafts pre-verified and continued by the draft model ``middle`` (HSDDW's middle level with its
+    default threshold and block), the blocks sized by the cost curves — ``cost``, the target's milliseconds by
+    verified rows, and the draft model's own — as every draft model's are
+    (:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`): ``hd`` with a draft model."""
+    return CostAwareDrafter(HSDDWDrafter(first, middle), cost)
+
+
 @dataclass(frozen=True)
 class HsddwOptions:
     """``hsddw`` options: the first drafter (``sd`` = a draft model, or a retrieval method name), the two models,
@@ -218,7 +228,9 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
         first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
                                   DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
     elif first_name in FIRST_DRAFTERS:
-        first = build_drafter(first_name, context, cost_aware=False)  # the middle model sizes the blocks
+        # the middle model sizes the blocks; hd's own draft model would be a second middle level
+        first = build_drafter(f"{first_name}:draft=off" if first_name == "hd" else first_name, context,
+                              cost_aware=False)
     else:
         raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
                          f"{first_name!r}")
