@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hierspec.accept import Verdict, accept_speculative
+from hierspec.accept import Verdict, accept_greedy, accept_speculative
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
@@ -282,6 +282,26 @@ def test_sd_and_hsddw_with_shortlist_heads_reproduce_plain_decoding(target, smal
     assert _check_identity(target, hsddw, _prompts(5, seed=7)) > 0
 
 
+def test_greedy_pre_verify_on_shortlist_scores_equals_the_whole_vocabulary_rows(target, small):
+    """HSDDW's greedy round reads M2's shortlist scores as they come; its verdict, entropies and token
+    probabilities equal those of the whole-vocabulary float64 rows (``-inf`` outside the shortlist)."""
+    shortlist = list(range(0, VOCAB, 2))
+    middle = DraftLM(small, head=small.head_over(shortlist))
+    reference = DraftLM(small, head=small.head_over(shortlist))
+    hsddw = HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), middle)
+    context = np.array([3, 8, 12, 8, 40], dtype=np.int64)
+    first = int(shortlist[int(reference.next_scores(context).argmax())])
+    reference.reset()
+    proposal = chain(int(context[-1]), [first, 6, 10], ["x"] * 3, None)
+    verdict, rows = hsddw._pre_verify(context, proposal)
+    logits = reference.score_tree(context, proposal).to(torch.float64)
+    assert verdict.path[:1] == (1,) and verdict.path == accept_greedy(proposal, logits).path
+    for node, token, (h, chance, dist) in zip((0, *verdict.path), verdict.accepted_tokens, rows):
+        probs = torch.softmax(logits[node], dim=-1)
+        assert dist is None and token in shortlist
+        assert h == pytest.approx(entropy(probs), rel=1e-9) and chance == pytest.approx(float(probs[token]), rel=1e-9)
+
+
 def test_sd_self_drafting_reproduces_plain_decoding_and_gets_drafts_accepted(target):
     drafter = make_drafter("sd:draft=self:3,k=4,budget=off", DrafterContext(target))
     assert _check_identity(target, drafter, _prompts(6, seed=2)) > 0
@@ -320,22 +340,21 @@ def test_hd_with_a_draft_model_reproduces_plain_decoding_and_the_model_adds_toke
 
 
 def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
-    alone = make_drafter("hd", DrafterContext(target, find_default_stores=False))
-    assert isinstance(alone, HierarchyDrafter)
-    with_cli = make_drafter("hd", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
+    context = DrafterContext(target, find_default_stores=False, draft_model="self:1")
+    assert isinstance(make_drafter("hd", context), HierarchyDrafter)  # off by default, even with --draft-model
+    with_cli = make_drafter("hd:draft=on", context)
     assert isinstance(with_cli, CostAwareDrafter) and isinstance(with_cli.inner, HSDDWDrafter)
     assert isinstance(with_cli.inner.first, HierarchyDrafter)
     assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1
-    off = make_drafter("hd:draft=off", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
-    assert isinstance(off, HierarchyDrafter)
-    named = make_drafter("hd:draft=self:2", DrafterContext(target, find_default_stores=False, draft_model="self:1"))
+    named = make_drafter("hd:draft=self:2", DrafterContext(target, find_default_stores=False))
     assert named.inner.middle.model.model.config.num_hidden_layers == 2
+    with pytest.raises(InputError, match="--draft-model"):
+        make_drafter("hd:draft=on", DrafterContext(target, find_default_stores=False))
     # hsddw's first level is hd without a middle model of its own
-    three = make_drafter("hsddw:first=hd,middle=self:3", DrafterContext(target, find_default_stores=False,
-                                                                        draft_model="self:1")).inner
+    three = make_drafter("hsddw:first=hd,middle=self:3", context).inner
     assert isinstance(three.first, HierarchyDrafter) and three.middle.model.model.config.num_hidden_layers == 3
-    assert draft_model_of("auto", None) is None and draft_model_of("off", "m") is None
-    assert draft_model_of("auto", "m") == "m" and draft_model_of("self:2", "m") == "self:2"
+    assert draft_model_of("off", "m") is None and draft_model_of("on", "m") == "m"
+    assert draft_model_of("self:2", None) == "self:2"
 
 
 def test_sd_methods_parse_their_options(target):

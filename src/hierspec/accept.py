@@ -90,7 +90,13 @@ def accept_greedy(tree: DraftTree, logits: torch.Tensor, topk: int = 1) -> Verdi
     also records the target's top-k predictions per node in the verdict.
     """
     argmax, top = _predictions(logits, topk)
-    return _walk(tree, lambda node: int(argmax[node]), argmax, top)
+    return accept_predicted(tree, argmax, top)
+
+
+def accept_predicted(tree: DraftTree, argmax: np.ndarray, topk: np.ndarray | None = None) -> Verdict:
+    """:func:`accept_greedy` from the target's argmax token id after every node (``[n]``; ``topk``, ``[n, k]``,
+    recorded in the verdict), for a caller that found them without a whole-vocabulary row."""
+    return _walk(tree, lambda node: int(argmax[node]), argmax, topk)
 
 
 def accept_sampled(

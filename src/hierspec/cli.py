@@ -69,8 +69,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
 def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("draft models (methods sd, hsddw and hd)")
     group.add_argument("--draft-model", default=None,
-                       help="self:K (the target's first K layers) or a model with the target's tokenizer; hd then "
-                            "has it pre-verify and continue its databases' drafts (hd:draft=off: not)")
+                       help="self:K (the target's first K layers) or a model with the target's tokenizer (hd reads "
+                            "it with hd:draft=on: it pre-verifies and continues the databases' drafts)")
     group.add_argument("--middle-model", default=None, help="hsddw's middle model (self:K or a model)")
     group.add_argument("--self-verify", action="store_true", help="sd: entropy-based dynamic draft window")
     group.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,

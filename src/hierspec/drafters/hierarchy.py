@@ -119,13 +119,15 @@ class HierarchyConfig:
             the root alone. A full batch, where the forward is shared and every request's search is not, then
             decodes as fast as ``ar`` does (26 dev requests at 8: 0.98x ``ar``, 0.92x without); alone ``hd``
             always searches (skipping there lost more accepted drafts than it saved).
-        draft: a draft model as one more source: ``auto`` (the default) uses ``--draft-model`` when one is given,
-            ``off`` never, anything else names the model (``self:K``, an id, a directory or a ``.gguf``). The model
-            then pre-verifies the databases' tree and continues it while it is confident, HSDDW's middle level
-            (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens it accepts cost one draft
+        draft: a draft model as one more source: ``off`` (the default) none, ``on`` the command line's
+            ``--draft-model``, anything else names the model (``self:K``, an id, a directory or a ``.gguf``). The
+            model then pre-verifies the databases' tree and continues it while it is confident, HSDDW's middle
+            level (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens it accepts cost one draft
             forward for all of them, and where they stop it drafts on by itself; the block it leaves is sized by
-            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B on 40 HumanEval problems (BENCHMARKS.md): 2.33x
-            ``ar`` against 1.87x.
+            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth session): 2.33x ``ar``
+            against 1.87x on 40 HumanEval problems, but 1.57x against 1.63x on 26 dev questions (0.83x on
+            retrieval-augmented questions, whose long prompts the draft model reads too): not the default until
+            the draft's cost is planned as it is measured.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -156,11 +158,12 @@ class HierarchyConfig:
     h_width: int = 3
     h_gate: int = 8
     search_gate: bool = True
-    draft: str = "auto"
+    draft: str = "off"
 
     def __post_init__(self) -> None:
         if not self.draft:
-            raise InputError("hd draft: use auto, off or a draft model (self:K, an id, a directory or a .gguf)")
+            raise InputError("hd draft: use off, on (--draft-model) or a draft model (self:K, an id, a directory or "
+                             "a .gguf)")
         if self.tree not in {"scored", "fixed"}:
             raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
         if self.explore_every < 0:
@@ -578,8 +581,8 @@ def _open_head(directory: str, target) -> HeadStore:
 def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) -> Drafter:
     """``hd``: the databases its ``order`` names — the context database always, the model, suffix and dense stores
     given with ``--datastore`` or found at the default place, the successor table (kept in the learning store with
-    ``learn=true``) — scored against the target's cost curve; with a draft model (``draft=``, or ``--draft-model``
-    under the default ``draft=auto``), pre-verified and continued by it."""
+    ``learn=true``) — scored against the target's cost curve; with a draft model (``draft=M``, or ``draft=on`` and
+    ``--draft-model``), pre-verified and continued by it."""
     from hierspec.datastore.dense import DenseStore
 
     fingerprint, name = context.fingerprint()
@@ -620,8 +623,12 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
 
 
 def draft_model_of(option: str, from_cli: str | None) -> str | None:
-    """The draft model ``hd``'s ``draft=`` option names: ``auto`` → the command line's ``--draft-model`` (``None``
-    without one), ``off`` → ``None``, anything else → itself."""
+    """The draft model ``hd``'s ``draft=`` option names: ``off`` → ``None``, ``on`` → the command line's
+    ``--draft-model`` (an error without one), anything else → itself."""
     if option == "off":
         return None
-    return from_cli if option == "auto" else option
+    if option == "on":
+        if not from_cli:
+            raise InputError("hd:draft=on reads the draft model from --draft-model, and none was given")
+        return from_cli
+    return option
