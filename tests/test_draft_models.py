@@ -6,12 +6,12 @@ import torch
 
 from hierspec.accept import Verdict, accept_greedy, accept_speculative
 from hierspec.config import GenerationConfig, SamplingConfig
+from hierspec.datastore.successors import SuccessorTable
 from hierspec.decode import SpeculativeDecoder
 from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
-from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
-from hierspec.datastore.successors import SuccessorTable
 from hierspec.drafters.cost_aware import CostAwareDrafter
+from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
 from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, draft_model_of
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
 from hierspec.errors import InputError

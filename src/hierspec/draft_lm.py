@@ -100,7 +100,6 @@ class DraftLM:
         self.head = head
         #: the token id of each score :meth:`next_scores` returns (``None``: the index is the id)
         self.tokens = None if head is None else head.tokens.cpu()
-        self._token_ids = None if self.tokens is None else self.tokens.numpy().astype(np.int64)
         if self.tokens is not None and int(self.tokens.max()) >= self.vocab_size:
             raise InputError(f"a draft's shortlist holds ids beyond the target's {self.vocab_size} tokens")
         self.reset()
@@ -164,7 +163,7 @@ class DraftLM:
     def token_ids(self, indices: np.ndarray) -> np.ndarray:
         """The token ids of score indices (into :meth:`score_tree_short`'s rows; the same ids without a
         shortlist)."""
-        return indices if self._token_ids is None else self._token_ids[indices]
+        return indices if self.tokens is None else self.tokens.numpy()[indices]
 
     def spread(self, scores: torch.Tensor, fill: float) -> torch.Tensor:
         """Shortlist scores (``[..., len(tokens)]``) as ``[..., vocab]`` with ``fill`` elsewhere (as they are

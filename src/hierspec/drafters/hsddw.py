@@ -248,9 +248,7 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
         first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
                                   DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
     elif first_name in FIRST_DRAFTERS:
-        # the middle model sizes the blocks; hd's own draft model would be a second middle level
-        first = build_drafter(f"{first_name}:draft=off" if first_name == "hd" else first_name, context,
-                              cost_aware=False)
+        first = build_drafter(first_name, context, cost_aware=False)  # the middle model sizes the blocks
     else:
         raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
                          f"{first_name!r}")
