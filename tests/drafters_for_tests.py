@@ -91,6 +91,12 @@ class TableLM:
     def reset(self) -> None:
         self.forwards = 0
 
+    def lacks(self, context) -> int:
+        return 0  # no cache: nothing to read before drafting, so it starts at once
+
+    def prefill_ms(self, tokens: int) -> float:
+        return 0.0
+
     def _row(self, tokens):
         import torch
 

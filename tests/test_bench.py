@@ -65,10 +65,20 @@ def test_draft_model_levels_from_drafter_reports():
     ar, hsddw = MethodRecord("ar"), MethodRecord("hsddw")
     ar.add(question, QuestionRun([1] * 6, "", 1.0, [1] * 6))
     hsddw.add(question, QuestionRun([1] * 6, "", 1.0, [3, 3], drafted=6, accepted=4, drafter_report={
-        "windows": [4, 2], "first_drafted": 10, "first_accepted": 4, "middle_tokens": 3}))
+        "windows": [4, 2], "first_drafted": 10, "first_accepted": 4, "middle_tokens": 3, "deferred_steps": 5}))
     levels = summarize({"ar": ar, "hsddw": hsddw}, "ar", model_name="m", max_new_tokens=6)["methods"]["hsddw"]["levels"]
-    assert levels == {"mean_window": 3.0, "steps": 2, "middle_tokens": 3,
+    assert levels == {"mean_window": 3.0, "steps": 2, "middle_tokens": 3, "deferred_steps": 5,
                       "first": {"drafted": 10, "accepted": 4, "sigma": pytest.approx(0.6)}}
+
+
+def test_turns_add_up_their_draft_model_counts():
+    from hierspec.bench.metrics import merge_turns
+
+    turns = [QuestionRun([1] * 2, "", 0.5, [2], drafter_report={"windows": [4], "deferred_steps": 2, "tau": 1.0}),
+             QuestionRun([1] * 2, "", 0.5, [2], drafter_report={"windows": [2], "deferred_steps": 3,
+                                                                "middle_tokens": 1})]
+    assert merge_turns(turns, [[1], [2]]).drafter_report == {"deferred_steps": 5, "middle_tokens": 1,
+                                                               "windows": [4, 2]}
 
 
 def test_dense_retrieval_figures_and_report(tmp_path):

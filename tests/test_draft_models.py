@@ -11,11 +11,13 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.cost_aware import CostAwareDrafter
+from hierspec.drafters.deferred_start import DeferredStart
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
 from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, draft_model_of
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
+from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import chain, root_only
 from tiny import ARCHITECTURES, make_target
 
@@ -345,7 +347,8 @@ def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
     with_cli = make_drafter("hd:draft=on", context)
     assert isinstance(with_cli, CostAwareDrafter) and isinstance(with_cli.inner, HSDDWDrafter)
     assert isinstance(with_cli.inner.first, HierarchyDrafter)
-    assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1
+    assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1 and with_cli.inner.start.defer
+    assert not make_drafter("hd:draft=on,defer=false", context).inner.start.defer
     named = make_drafter("hd:draft=self:2", DrafterContext(target, find_default_stores=False))
     assert named.inner.middle.model.model.config.num_hidden_layers == 2
     with pytest.raises(InputError, match="--draft-model"):
@@ -357,12 +360,90 @@ def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
     assert draft_model_of("self:2", None) == "self:2"
 
 
+# ---------------------------------------------------------------- the draft model's deferred start
+
+
+def test_draft_lm_counts_what_it_lacks_without_touching_its_cache(small):
+    lm = DraftLM(small)
+    context = np.array([4, 8, 15, 16, 23], dtype=np.int64)
+    assert lm.lacks(context) == 4  # an empty cache lacks every token before the root
+    lm.next_scores(context)  # the cache then holds all of context
+    assert lm.lacks(np.append(context, [42, 7])) == 1  # 42; 7 is the root
+    assert lm.lacks(np.array([4, 9, 1], dtype=np.int64)) == 1 and lm._tokens == context.tolist()
+
+
+def test_draft_lm_prices_a_prompt_at_its_curves_widest_forward(small):
+    assert DraftLM(small, step_cost=lambda rows: 2.0 + 0.5 * rows).prefill_ms(128) == pytest.approx(68.0)
+    assert DraftLM(small).prefill_ms(128) == 0.0  # no curve: taken as free
+
+
+def test_deferred_start_waits_until_the_forgone_steps_pay_for_the_prompt(small):
+    """The draft reads a prompt at (2 + 0.5 * 64) / 64 = 0.53125 ms a token, a target step costs 4 ms, and a step
+    without the draft forgoes half of one (2 ms). At step k (from 0) the context holds 40 + k tokens and the cache
+    lacks 39 + k: the draft starts once 2k >= 0.53125 (39 + k), i.e. k >= 14.1: 15 steps deferred."""
+    lm = DraftLM(small, step_cost=lambda rows: 2.0 + 0.5 * rows)
+    start = DeferredStart(lm)
+    prompt = np.arange(40, dtype=np.int64) % VOCAB
+    ready = [start.ready(np.append(prompt, np.ones(k, dtype=np.int64)), lambda rows: 4.0) for k in range(20)]
+    assert ready == [False] * 15 + [True] * 5
+    assert start.deferred_steps == 15 and lm.forwards == 0
+    start.begin()
+    assert not start.started and start.deferred_steps == 0
+
+
+def test_deferred_start_starts_at_once_without_a_prompt_to_read_or_a_cost(small):
+    priced = DraftLM(small, step_cost=lambda rows: 50.0)
+    step = lambda rows: 1.0  # noqa: E731
+    long = np.arange(60, dtype=np.int64) % VOCAB
+    assert not DeferredStart(priced).ready(long, step)
+    assert DeferredStart(priced).ready(long[: CATCH_UP_ROWS + 1], step)  # read in the same forward as the draft
+    assert DeferredStart(priced).ready(long, None)  # the target's cost unknown
+    assert DeferredStart(DraftLM(small)).ready(long, step)  # the draft's cost unknown
+    assert DeferredStart(priced, defer=False).ready(long, step)  # defer=false
+    with pytest.raises(ValueError, match="rent"):
+        DeferredStart(priced, rent=0.0)
+
+
+def _windowed(drafter, target_ms, draft_ms):
+    assert drafter.use_window(TokenWindow(target_ms, draft_ms))
+    return drafter
+
+
+def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossless(target, small):
+    """A 60-token prompt the draft's curve prices at 59 ms (1 ms a token), a 10 ms target step: ``sd`` decodes
+    plainly while 5 k < 59 + k (k = 0..14: 15 steps), then drafts; ``hsddw`` sends prompt lookup's drafts alone
+    meanwhile. Plain decoding's tokens throughout."""
+    def draft_curve(rows):
+        return 0.5 if rows == 1 else float(rows)
+
+    rng = np.random.default_rng(4)
+    motif = rng.integers(1, VOCAB, size=12).tolist()
+    prompt = motif * 5  # 60 tokens that repeat: prompt lookup finds drafts
+    lm = DraftLM(small, step_cost=draft_curve)
+    sd = DraftModelDrafter(lm, DraftModelConfig(k=4))
+    _windowed(sd, lambda rows: 10.0, sd.draft_cost)
+    _check_identity(target, sd, [prompt], max_new_tokens=32)
+    report = sd.report()
+    assert report["deferred_steps"] == 15 and report["draft_forwards"] > 0 and report["windows"]
+    middle = DraftLM(self_drafting_model(target, 3), step_cost=draft_curve)
+    hsddw = HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), middle, HSDDWConfig(tau=3.0, max_block=8))
+    _windowed(hsddw, lambda rows: 10.0, hsddw.draft_cost)
+    assert _check_identity(target, hsddw, [prompt], max_new_tokens=32) > 0
+    report = hsddw.report()
+    assert report["deferred_steps"] > 0 and report["middle_forwards"] > 0
+    unwindowed = DraftModelDrafter(DraftLM(small, step_cost=draft_curve), DraftModelConfig(k=4))
+    _check_identity(target, unwindowed, [prompt], max_new_tokens=8)
+    assert unwindowed.report()["deferred_steps"] == 0  # without the target's cost: the old behaviour
+
+
 def test_sd_methods_parse_their_options(target):
     drafter = make_drafter("sd:draft=self:2,k=6,self_verify=true,tau=0.5,budget=off", DrafterContext(target))
     assert drafter.config == DraftModelConfig(k=6, self_verify=True, tau=0.5)
     assert drafter.lm.model.model.config.num_hidden_layers == 2
     cli = make_drafter("sd", DrafterContext(target, draft_model="self:1")).inner  # cost-aware by default
-    assert cli.lm.model.model.config.num_hidden_layers == 1
+    assert cli.lm.model.model.config.num_hidden_layers == 1 and cli.start.defer
+    assert not make_drafter("sd:defer=false", DrafterContext(target, draft_model="self:1")).inner.start.defer
+    assert not make_drafter("hsddw:defer=false", DrafterContext(target, draft_model="self:1")).inner.start.defer
     with pytest.raises(InputError, match="self:K"):
         make_drafter("sd:draft=self:x", DrafterContext(target))
     assert make_drafter("sd:draft=self:0.5,budget=off", DrafterContext(target)).lm.model.model.config.num_hidden_layers == 2

@@ -7,6 +7,7 @@ module so that pytest-xdist can run it beside the other χ² tests (10 000 runs,
 """
 
 from hierspec.draft_lm import DraftLM
+from hierspec.drafters.deferred_start import DeferredStart
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
 from test_sampling_lossless import RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
@@ -29,7 +30,8 @@ def test_hsddw_with_two_tiny_models_matches_exact_distribution():
 
 def test_hd_pre_verified_by_a_draft_model_matches_exact_distribution():
     """``hd`` with a draft model (:func:`~hierspec.drafters.hsddw.pre_verified`, the cost-aware wrapper included):
-    the databases' deterministic tree pre-verified by a tiny Qwen2, which continues it, then the target."""
+    the databases' deterministic tree pre-verified by a tiny Qwen2, which continues it, then the target — after a
+    first step whose tree goes to the target alone (the draft model's start deferred by one step)."""
     from hierspec.datastore.recent_outputs import RecentOutputs
     from hierspec.datastore.successors import SuccessorTable
     from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
@@ -45,9 +47,23 @@ def test_hd_pre_verified_by_a_draft_model_matches_exact_distribution():
     def drafter():  # a draft forward at a tenth of a target forward: drafting pays on this curve
         hd = HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
                               successors=SuccessorTable(VOCAB, 4), outputs=outputs)
-        return pre_verified(hd, DraftLM(middle, step_cost=lambda rows: 1.0), lambda rows: 10.0 + 0.1 * rows)
+        drafter = pre_verified(hd, DraftLM(middle, step_cost=lambda rows: 1.0), lambda rows: 10.0 + 0.1 * rows)
+        drafter.inner.start = _OneStepLate(drafter.inner.middle)
+        return drafter
 
     _assert_exact_law(target, drafter, sampling, joint)
+
+
+class _OneStepLate(DeferredStart):
+    """Starts the draft model at the second step of every generation (the prompt here is one token: the real rule
+    would start it at once), so that both kinds of step are sampled."""
+
+    def ready(self, context, step_ms) -> bool:
+        if not self.started and self.deferred_steps == 0:
+            self.deferred_steps = 1
+            return False
+        self.started = True
+        return True
 
 
 def _assert_exact_law(target, drafter, sampling, joint) -> None:

@@ -35,6 +35,10 @@ class QuestionRun:
         return len(self.token_ids)
 
 
+#: drafter report counts that add up over a question's turns (by name prefix)
+_SUMMED_COUNTS = ("first_", "middle_", "dense_", "deferred_")
+
+
 def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRun:
     """One question's turns as one run: counts and times add up, token ids concatenate; ``turns`` keeps each turn's
     prompt ids, tokens, text, time and steps (Spec-Bench answers list them per turn)."""
@@ -42,7 +46,7 @@ def merge_turns(runs: list[QuestionRun], prompts: list[list[int]]) -> QuestionRu
     report: dict = {}
     for r in runs:
         for key, value in r.drafter_report.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith(("first_", "middle_", "dense_")):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key.startswith(_SUMMED_COUNTS):
                 report[key] = report.get(key, 0) + value
     if windows:
         report["windows"] = windows
@@ -150,10 +154,12 @@ def dense_retrieval(runs: list[QuestionRun]) -> dict:
 
 
 def levels(runs: list[QuestionRun]) -> dict:
-    """Draft-model figures from the drafters' reports: mean window (tokens per block sent to the target) and, for
+    """Draft-model figures from the drafters' reports: mean window (tokens per block sent to the target), steps
+    taken before the draft model started on its generation (:mod:`hierspec.drafters.deferred_start`) and, for
     HSDDW, the first level's tokens drafted / accepted by the middle model with its redundancy σ."""
     windows = [w for r in runs for w in r.drafter_report.get("windows", [])]
-    out: dict = {"mean_window": sum(windows) / len(windows) if windows else 0.0, "steps": len(windows)}
+    out: dict = {"mean_window": sum(windows) / len(windows) if windows else 0.0, "steps": len(windows),
+                 "deferred_steps": sum(r.drafter_report.get("deferred_steps", 0) for r in runs)}
     drafted = sum(r.drafter_report.get("first_drafted", 0) for r in runs)
     if any("first_drafted" in r.drafter_report for r in runs):
         accepted = sum(r.drafter_report.get("first_accepted", 0) for r in runs)

@@ -119,14 +119,16 @@ def write_report(path: Path, summary: dict) -> None:
     if leveled:
         lines += ["", "## Draft-model levels", "",
                   "Window: draft tokens per target forward. First level (HSDDW): tokens the first drafter proposed "
-                  "and the middle model accepted.", "",
-                  "| method | mean window | first drafted | first accepted | first σ | middle tokens |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "and the middle model accepted. Before start: target steps taken before the draft model read the "
+                  "prompt (it starts once their forgone savings would pay for that).", "",
+                  "| method | mean window | before start | first drafted | first accepted | first σ | middle tokens |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for label, lv in leveled:
             first = lv.get("first")
             cells = ([str(first["drafted"]), str(first["accepted"]), f"{first['sigma']:.2f}",
                       str(lv.get("middle_tokens", ""))] if first else ["", "", "", ""])
-            lines.append(f"| {label} | {lv['mean_window']:.2f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | {lv['mean_window']:.2f} | {lv.get('deferred_steps', 0)} | "
+                         + " | ".join(cells) + " |")
     dense = [(label, m["dense"]) for label, m in methods.items() if m.get("dense")]
     if dense:
         lines += ["", "## Dense retrieval", "",

@@ -217,7 +217,9 @@ class CostAwareDrafter(Drafter):
         if self.window is not None:  # the drafter stops token by token, by its tokens' confidence
             self.window.start(*self._shared)
             tree = self.inner.propose(context, budget)
-            self._learn_shape(tree, budget)
+            self._proposed = tree.num_drafted > 0  # none: its draft model has not started on this generation
+            if self._proposed:
+                self._learn_shape(tree, budget)
             self._depth = int(tree.depths.max())
             return tree
         # a drafter that pays per drafted token drafts only what is planned; retrieval returns what it finds

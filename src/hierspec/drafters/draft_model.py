@@ -23,6 +23,7 @@ from hierspec.accept import Verdict, sample_token, warp_probs
 from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.deferred_start import DeferredStart
 from hierspec.drafters.registry import register
 from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, chain, root_only
@@ -68,11 +69,14 @@ class DraftModelConfig:
         k: window size ``K``, the most tokens drafted per step.
         self_verify: stop early when the draft's entropy exceeds the threshold ``τ``.
         tau: starting threshold in nats (before any rejection); HSDDW's algorithm starts at 0.
+        defer: start the draft model on a long prompt only once the steps without it would pay for reading it
+            (:mod:`hierspec.drafters.deferred_start`; with a cost-aware window); ``False``: at once.
     """
 
     k: int = 4
     self_verify: bool = False
     tau: float = 1.0
+    defer: bool = True
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -119,6 +123,7 @@ class DraftModelDrafter(Drafter):
         self._entropies: list[float] = []
         self.windows: list[int] = []
         self.window: TokenWindow | None = None
+        self.start = DeferredStart(lm, defer=self.config.defer)
 
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.sampler.prepare(sampling, generator)
@@ -130,13 +135,16 @@ class DraftModelDrafter(Drafter):
     def begin(self, prompt: np.ndarray) -> None:
         self.lm.reset()
         self.threshold.reset()
+        self.start.begin()
         self.windows = []
         self._entropies = []
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        """Up to ``k`` tokens of the draft model; none until it has started on this generation (with a cost-aware
+        window: :class:`~hierspec.drafters.deferred_start.DeferredStart`)."""
         most = min(self.config.k, budget)
         self._entropies = []
-        if most <= 0:
+        if most <= 0 or not self.start.ready(context, None if self.window is None else self.window.verify_ms):
             return root_only(int(context[-1]))
         tokens, dists = [], []
         scores = self.lm.next_scores(context)
@@ -166,7 +174,8 @@ class DraftModelDrafter(Drafter):
         self._entropies = []  # they belong to this step's draft (a step with no draft of ours learns nothing)
 
     def report(self) -> dict:
-        return {"windows": list(self.windows), "tau": self.threshold.value, "draft_forwards": self.lm.forwards}
+        return {"windows": list(self.windows), "tau": self.threshold.value, "draft_forwards": self.lm.forwards,
+                "deferred_steps": self.start.deferred_steps}
 
     def describe(self) -> dict:
         return {**super().describe(), "draft_model": self.lm.model.name}
@@ -184,6 +193,7 @@ class SdOptions:
     k: int = 4
     self_verify: bool = False
     tau: float = 1.0
+    defer: bool = True
 
 
 def given_model(written: dict[str, str], key: str, from_cli: str | None, default: str) -> str:
@@ -193,7 +203,8 @@ def given_model(written: dict[str, str], key: str, from_cli: str | None, default
 
 @register("sd", SdOptions, summary="a draft model (--draft-model M or self:K) with speculative sampling")
 def build_draft_model(options: SdOptions, written: dict[str, str], context) -> DraftModelDrafter:
-    """``sd:draft=self:0.9,k=4,self_verify=false,tau=1.0``."""
+    """``sd:draft=self:0.9,k=4,self_verify=false,tau=1.0,defer=true``."""
     draft = given_model(written, "draft", context.draft_model, options.draft)
-    config = DraftModelConfig(k=options.k, self_verify=options.self_verify or context.self_verify, tau=options.tau)
+    config = DraftModelConfig(k=options.k, self_verify=options.self_verify or context.self_verify, tau=options.tau,
+                              defer=options.defer)
     return DraftModelDrafter(context.load_draft_lm(draft, "sd"), config)

@@ -128,6 +128,9 @@ class HierarchyConfig:
             against 1.87x on 40 HumanEval problems, but 1.57x against 1.63x on 26 dev questions (0.83x on
             retrieval-augmented questions, whose long prompts the draft model reads too): not the default until
             the draft's cost is planned as it is measured.
+        defer: (with ``draft``) the draft model starts on a long prompt only once the steps without it would pay
+            for reading it (:mod:`hierspec.drafters.deferred_start`); until then the databases draft alone.
+            ``False``: it starts at once.
     """
 
     l: int = 2  # noqa: E741 — the paper's name
@@ -159,6 +162,7 @@ class HierarchyConfig:
     h_gate: int = 8
     search_gate: bool = True
     draft: str = "off"
+    defer: bool = True
 
     def __post_init__(self) -> None:
         if not self.draft:
@@ -619,7 +623,7 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
     draft = draft_model_of(options.draft, context.draft_model)
     log.info("hd reads %s%s", " > ".join(drafter.sources), f", pre-verified by {draft}" if draft else "")
     return drafter if draft is None else pre_verified(drafter, context.load_draft_lm(draft, "hd"),
-                                                      context.verification_cost())
+                                                      context.verification_cost(), defer=options.defer)
 
 
 def draft_model_of(option: str, from_cli: str | None) -> str | None:

@@ -37,6 +37,7 @@ from hierspec.config import SamplingConfig
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.cost_aware import CostAwareDrafter
+from hierspec.drafters.deferred_start import DeferredStart
 from hierspec.drafters.draft_model import (
     DraftModelConfig,
     DraftModelDrafter,
@@ -59,10 +60,13 @@ class HSDDWConfig:
     Attributes:
         tau: the middle model's starting confidence threshold in nats (before any target rejection).
         max_block: most tokens in one block sent to the target (the generation's draft budget also caps it).
+        defer: start the middle model on a long prompt only once the steps without it would pay for reading it
+            (:mod:`hierspec.drafters.deferred_start`; with a cost-aware window); ``False``: at once.
     """
 
     tau: float = 1.0
     max_block: int = 16
+    defer: bool = True
 
     def __post_init__(self) -> None:
         if self.max_block < 1:
@@ -85,6 +89,8 @@ class HSDDWDrafter(Drafter):
         self._generator = torch.Generator()
         self._entropies: list[float] = []
         self.window: TokenWindow | None = None
+        self.start = DeferredStart(middle, defer=self.config.defer)
+        self._alone = False  # this step's proposal is the first drafter's own, sent to the target as it is
         self._reset_counts()
 
     def use_window(self, window: TokenWindow) -> bool:
@@ -113,14 +119,24 @@ class HSDDWDrafter(Drafter):
     def begin(self, prompt: np.ndarray) -> None:
         self.first.begin(prompt)
         self.middle.reset()
+        self.start.begin()
         self.threshold.reset()
         self._reset_counts()
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
+        """A block of M2-distributed tokens; until the middle model has started on this generation (with a
+        cost-aware window: :class:`~hierspec.drafters.deferred_start.DeferredStart`), the first drafter's own
+        proposal when it is free to draft (retrieval), else none."""
         limit = min(budget, self.config.max_block)
         self._entropies = []
+        self._alone = False
         if limit <= 0:
             return root_only(int(context[-1]))
+        if not self.start.ready(context, None if self.window is None else self.window.verify_ms):
+            if self.first.draft_cost(1) > 0:  # a first draft model waits for the middle one (they start together)
+                return root_only(int(context[-1]))
+            self._alone = True
+            return self.first.propose(context, limit)
         tokens: list[int] = []
         sources: list[str] = []
         dists: list[torch.Tensor] = []
@@ -187,6 +203,9 @@ class HSDDWDrafter(Drafter):
         return verdict, [(h, chance, None) for h, chance in zip(entropies, chances)]
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        if self._alone:  # the target judged the first drafter's own proposal
+            self.first.observe(verdict, context)
+            return
         accepted = len(verdict.path)
         if accepted < len(self._entropies):
             self.threshold.record_rejection(self._entropies[accepted])
@@ -198,24 +217,26 @@ class HSDDWDrafter(Drafter):
     def report(self) -> dict:
         first = self.first.report()
         return {**self.counts, "windows": list(self.windows), "tau_middle": self.threshold.value,
-                "middle_forwards": self.middle.forwards, **({"first": first} if first else {})}
+                "middle_forwards": self.middle.forwards, "deferred_steps": self.start.deferred_steps,
+                **({"first": first} if first else {})}
 
     def describe(self) -> dict:
         return {**super().describe(), "first": self.first.describe(), "middle_model": self.middle.model.name}
 
 
-def pre_verified(first: Drafter, middle: DraftLM, cost: Callable[[int], float]) -> Drafter:
+def pre_verified(first: Drafter, middle: DraftLM, cost: Callable[[int], float], defer: bool = True) -> Drafter:
     """``first``'s drafts pre-verified and continued by the draft model ``middle`` (HSDDW's middle level with its
     default threshold and block), the blocks sized by the cost curves — ``cost``, the target's milliseconds by
     verified rows, and the draft model's own — as every draft model's are
     (:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`): ``hd`` with a draft model."""
-    return CostAwareDrafter(HSDDWDrafter(first, middle), cost)
+    return CostAwareDrafter(HSDDWDrafter(first, middle, HSDDWConfig(defer=defer)), cost)
 
 
 @dataclass(frozen=True)
 class HsddwOptions:
     """``hsddw`` options: the first drafter (``sd`` = a draft model, or a retrieval method name), the two models,
-    the first drafter's window and threshold, and the middle model's threshold and block size.
+    the first drafter's window and threshold, the middle model's threshold and block size, and whether the middle
+    model's start waits until it pays for reading the prompt (``defer``).
 
     Defaults (BENCHMARKS.md): prompt lookup first (free to run) and 90 % of the target's layers as the middle model.
     ``--draft-model`` alone makes that draft model the middle level under prompt lookup (the paper's three levels;
@@ -230,6 +251,7 @@ class HsddwOptions:
     tau1: float = 1.0
     tau: float = 1.0
     max_block: int = 16
+    defer: bool = True
 
 
 #: first drafters hsddw takes besides a draft model
@@ -255,4 +277,5 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
     middle_spec = context.draft_model if draft_as_middle else given_model(written, "middle", context.middle_model,
                                                                           options.middle)
     middle = context.load_draft_lm(middle_spec, "hsddw")
-    return HSDDWDrafter(first, middle, HSDDWConfig(tau=options.tau, max_block=options.max_block))
+    return HSDDWDrafter(first, middle, HSDDWConfig(tau=options.tau, max_block=options.max_block,
+                                                   defer=options.defer))
