@@ -380,15 +380,17 @@ def test_draft_lm_prices_a_prompt_at_its_curves_widest_forward(small):
 def test_deferred_start_waits_until_the_forgone_steps_pay_for_the_prompt(small):
     """The draft reads a prompt at (2 + 0.5 * 64) / 64 = 0.53125 ms a token, a target step costs 4 ms, and a step
     without the draft forgoes half of one (2 ms). At step k (from 0) the context holds 40 + k tokens and the cache
-    lacks 39 + k: the draft starts once 2k >= 0.53125 (39 + k), i.e. k >= 14.1: 15 steps deferred."""
-    lm = DraftLM(small, step_cost=lambda rows: 2.0 + 0.5 * rows)
-    start = DeferredStart(lm)
+    lacks 39 + k: without a head start the draft starts once 2k >= 0.53125 (39 + k), i.e. k >= 14.1: 15 steps
+    deferred; with the default 8 steps' head start once 16 + 2k >= 0.53125 (39 + k), k >= 3.2: 4 steps."""
     prompt = np.arange(40, dtype=np.int64) % VOCAB
-    ready = [start.ready(np.append(prompt, np.ones(k, dtype=np.int64)), lambda rows: 4.0) for k in range(20)]
-    assert ready == [False] * 15 + [True] * 5
-    assert start.deferred_steps == 15 and lm.forwards == 0
-    start.begin()
-    assert not start.started and start.deferred_steps == 0
+    for head_start, deferred in ((0, 15), (8, 4)):
+        lm = DraftLM(small, step_cost=lambda rows: 2.0 + 0.5 * rows)
+        start = DeferredStart(lm, head_start=head_start)
+        ready = [start.ready(np.append(prompt, np.ones(k, dtype=np.int64)), lambda rows: 4.0) for k in range(20)]
+        assert ready == [False] * deferred + [True] * (20 - deferred)
+        assert start.deferred_steps == deferred and lm.forwards == 0
+        start.begin()
+        assert not start.started and start.deferred_steps == 0
 
 
 def test_deferred_start_starts_at_once_without_a_prompt_to_read_or_a_cost(small):
@@ -402,6 +404,8 @@ def test_deferred_start_starts_at_once_without_a_prompt_to_read_or_a_cost(small)
     assert DeferredStart(priced, defer=False).ready(long, step)  # defer=false
     with pytest.raises(ValueError, match="rent"):
         DeferredStart(priced, rent=0.0)
+    with pytest.raises(ValueError, match="head_start"):
+        DeferredStart(priced, head_start=-1)
 
 
 def _windowed(drafter, target_ms, draft_ms):
@@ -411,7 +415,7 @@ def _windowed(drafter, target_ms, draft_ms):
 
 def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossless(target, small):
     """A 60-token prompt the draft's curve prices at 59 ms (1 ms a token), a 10 ms target step: ``sd`` decodes
-    plainly while 5 k < 59 + k (k = 0..14: 15 steps), then drafts; ``hsddw`` sends prompt lookup's drafts alone
+    plainly while 8 x 5 + 5 k < 59 + k (k = 0..4: 5 steps), then drafts; ``hsddw`` sends prompt lookup's drafts alone
     meanwhile. Plain decoding's tokens throughout."""
     def draft_curve(rows):
         return 0.5 if rows == 1 else float(rows)
@@ -424,7 +428,7 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
     _windowed(sd, lambda rows: 10.0, sd.draft_cost)
     _check_identity(target, sd, [prompt], max_new_tokens=32)
     report = sd.report()
-    assert report["deferred_steps"] == 15 and report["draft_forwards"] > 0 and report["windows"]
+    assert report["deferred_steps"] == 5 and report["draft_forwards"] > 0 and report["windows"]
     middle = DraftLM(self_drafting_model(target, 3), step_cost=draft_curve)
     hsddw = HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), middle, HSDDWConfig(tau=3.0, max_block=8))
     _windowed(hsddw, lambda rows: 10.0, hsddw.draft_cost)
