@@ -112,12 +112,14 @@ class DraftLM:
         """Milliseconds of one one-token forward (read from the cost curve once, when first asked; 0 when unknown)."""
         return float(self._step_cost(1)) if self._step_cost is not None else 0.0
 
+    @functools.cached_property
+    def _prefill_token_ms(self) -> float:
+        return float(self._step_cost(PREFILL_ROWS)) / PREFILL_ROWS if self._step_cost is not None else 0.0
+
     def prefill_ms(self, tokens: int) -> float:
         """Estimated milliseconds of reading ``tokens`` tokens the cache lacks through the prefill (0 when the cost
-        curve is unknown)."""
-        if self._step_cost is None or tokens <= 0:
-            return 0.0
-        return tokens * float(self._step_cost(PREFILL_ROWS)) / PREFILL_ROWS
+        curve is unknown; the curve is read once, when first asked)."""
+        return max(0, tokens) * self._prefill_token_ms
 
     def lacks(self, context: np.ndarray) -> int:
         """How many tokens before ``context``'s last one the cache lacks (what the next draft would read first);
