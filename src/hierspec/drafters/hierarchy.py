@@ -124,10 +124,10 @@ class HierarchyConfig:
             model then pre-verifies the databases' tree and continues it while it is confident, HSDDW's middle
             level (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens it accepts cost one draft
             forward for all of them, and where they stop it drafts on by itself; the block it leaves is sized by
-            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth session): 2.33x ``ar``
-            against 1.87x on 40 HumanEval problems, but 1.57x against 1.63x on 26 dev questions (0.83x on
-            retrieval-augmented questions, whose long prompts the draft model reads too): not the default until
-            the draft's cost is planned as it is measured.
+            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth and forty-first
+            sessions): 2.33x ``ar`` against 1.87x on 40 HumanEval problems, but 1.61x against 1.65x on 26 dev
+            questions (summarization 1.38x against 1.76x; retrieval-augmented 1.22x since the deferred start, 0.83x
+            before): not the default while it loses on dev.
         defer: (with ``draft``) the draft model starts on a long prompt only once the steps without it would pay
             for reading it (:mod:`hierspec.drafters.deferred_start`); until then the databases draft alone.
             ``False``: it starts at once.
