@@ -50,7 +50,8 @@ def test_default_model_loads_from_gguf_with_chat_template(model, cache_dir):
     assert model.encode_prompt("Hello", raw=True) != ids
 
 
-def test_second_load_uses_the_cache(cache_dir, monkeypatch):
+def test_second_load_uses_the_cache(model, cache_dir, monkeypatch):
+    """``model`` converted the file into ``cache_dir`` (asked for here: xdist may run this test first)."""
     def refuse(*_args, **_kwargs):
         raise AssertionError("the cached conversion should have been used")
 
