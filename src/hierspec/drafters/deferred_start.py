@@ -8,8 +8,9 @@ known when it starts, so the choice is the ski-rental problem: rent (decode with
 would save each step) until the rent paid equals the purchase (the prefill), then buy — never more than twice the
 cost of the better choice made in hindsight. :class:`DeferredStart` prices each target step taken without the draft
 model at :data:`RENT` of a target step and starts the draft model once those, with a head start of
-:data:`HEAD_START` steps (answers are rarely shorter), add up to its prefill's estimate from its cost curve. A prompt the draft can read in the same forward as its first draft (:data:`CATCH_UP_ROWS` tokens)
-starts it at once; so does a draft model or a target whose cost is unknown (the old behaviour).
+:data:`HEAD_START` steps (answers are rarely shorter), add up to its prefill's estimate from its cost curve. A
+prompt the draft can read in the same forward as its first draft (:data:`CATCH_UP_ROWS` tokens) starts it at once;
+so does a draft model or a target whose cost is unknown (the old behaviour).
 
 Deciding reads the cost curves and a step count, never a clock or a token not yet verified, so the output and a
 seeded sampled generation are unchanged: a step without the draft model is verified like any other.
