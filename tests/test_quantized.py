@@ -4,6 +4,7 @@ written as a GGUF file by the ``gguf`` package run on the int4 path, losslessnes
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
@@ -389,10 +390,17 @@ def test_on_a_native_bfloat16_cpu_prompts_are_read_with_bfloat16_products_of_the
     target = _int4_target(model, path, kv_cache="model", prompt_kernel="expanded")
     prefill = target.runtime.prefill_decoder
     qkv = prefill.layers[0].qkv
+    attention = model.model.layers[0].self_attn
+    stacked = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).detach()
     assert qkv.product_dtype == torch.bfloat16 and qkv.weight.dtype == torch.bfloat16
-    assert torch.equal(qkv.weight, torch.cat([model.model.layers[0].self_attn.q_proj.weight,
-                                               model.model.layers[0].self_attn.k_proj.weight,
-                                               model.model.layers[0].self_attn.v_proj.weight]).to(torch.bfloat16))
+    # prepacked for oneDNN where it packs bfloat16 (a native bfloat16 CPU), else the plain copy
+    assert qkv.prepacked == (onednn.probe(torch.bfloat16) is None)
+    if not qkv.prepacked:
+        assert torch.equal(qkv.weight, stacked.to(torch.bfloat16))
+    rows = torch.randn(7, stacked.shape[1], generator=torch.Generator().manual_seed(3))
+    expected = F.linear(rows.to(torch.bfloat16), stacked.to(torch.bfloat16)).float()
+    expected = expected if qkv.bias is None else expected + qkv.bias
+    assert torch.allclose(qkv(rows, split=False)[0], expected, rtol=1e-2, atol=1e-2)
     assert prefill.lm_head.weights[0].data_ptr() == model.lm_head.weight.data_ptr()
     for ours, theirs in _prompt_cache_layers(target, _float32_copy(model)):
         assert ours.keys.dtype == torch.float32 and not torch.equal(ours.keys, theirs.keys)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hierspec.runtime import int4_kernel
+from hierspec.runtime import int4_kernel, onednn
 from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
@@ -53,19 +53,26 @@ class Projection:
 
     ``packed``: one oneDNN product with a prepacked copy of the stacked weight (a second copy of these weights, as
     the packed runtime keeps anyway); ``product_dtype``: one product in that dtype with a stacked copy of the weights
-    in it, rows rounded to it and the result (plus float32 biases) in the rows' dtype; else ``F.linear`` on each
-    module's own weight (no copy).
+    in it (prepacked where oneDNN packs that dtype), rows rounded to it and the result (plus float32 biases) in the
+    rows' dtype (with ``narrow_output``, a bias-free product stays in the product dtype: the MLP's gate and up
+    products, whose activation then runs on half the bytes); else ``F.linear`` on each module's own weight (no copy).
+
+    Prepacking a bfloat16 copy spares oneDNN reordering the weight on every call (on an Intel Xeon with AMX the
+    same kernel runs and the bits equal ``F.linear``'s; BENCHMARKS.md, "Forty-second session", for the time).
     """
 
-    def __init__(self, linears: Sequence[nn.Module], packed: bool, product_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, linears: Sequence[nn.Module], packed: bool, product_dtype: torch.dtype | None = None,
+                 narrow_output: bool = False) -> None:
         weights = [m.weight.detach() for m in linears]
         biases = [None if m.bias is None else m.bias.detach() for m in linears]
         self.widths = [w.shape[0] for w in weights]
         self.packed = packed or product_dtype is not None
         self.product_dtype = product_dtype
+        self.narrow_output = narrow_output and product_dtype is not None and all(b is None for b in biases)
+        self.prepacked = self.packed and (product_dtype is None or onednn.probe(product_dtype) is None)
         if self.packed:
-            stacked = torch.cat(weights)
-            self.weight = pack_weight(stacked) if product_dtype is None else stacked.to(product_dtype)
+            stacked = torch.cat(weights) if product_dtype is None else torch.cat(weights).to(product_dtype)
+            self.weight = pack_weight(stacked) if self.prepacked else stacked
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         else:
@@ -74,8 +81,11 @@ class Projection:
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         """The members' products with ``rows``; packed and ``split=False``: one tensor of them all side by side."""
         if self.product_dtype is not None:
-            product = F.linear(rows.to(self.product_dtype), self.weight).to(rows.dtype)
-            product = product if self.bias is None else product + self.bias
+            narrowed = rows.to(self.product_dtype)
+            product = packed_linear(narrowed, self.weight, None) if self.prepacked else F.linear(narrowed, self.weight)
+            if not self.narrow_output:
+                product = product.to(rows.dtype)
+                product = product if self.bias is None else product + self.bias
         elif self.packed:
             product = packed_linear(rows, self.weight, self.bias)
         else:
@@ -164,9 +174,9 @@ class LlamaFamilyDecoder:
         names = {module: name for name, module in model.named_modules()}
         kernels = int4_kernel or Int4Kernels("torch", "torch")
 
-        def projection(*linears: nn.Module, copy: bool = True) -> Projection | Int4Projection:
+        def projection(*linears: nn.Module, copy: bool = True, narrow: bool = False) -> Projection | Int4Projection:
             if quantized is None:
-                return Projection(linears, packed, product_dtype if copy else None)
+                return Projection(linears, packed, product_dtype if copy else None, narrow_output=narrow)
             return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears],
                                   kernels.four_bit, kernels.eight_bit)
 
@@ -178,7 +188,9 @@ class LlamaFamilyDecoder:
                               norm2=layer.post_attention_layernorm.weight.detach(),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                               out=projection(layer.self_attn.o_proj),
-                              gate_up=projection(layer.mlp.gate_proj, layer.mlp.up_proj),
+                              # a prompt's gate and up products stay bfloat16 into the activation: the float32
+                              # round trip of [rows, 2 x intermediate] was a third of a 950-token prompt's time
+                              gate_up=projection(layer.mlp.gate_proj, layer.mlp.up_proj, narrow=True),
                               down=projection(layer.mlp.down_proj))
                        for layer in inner.layers[: config.num_hidden_layers]]
         self._rotary = inner.rotary_emb
@@ -367,7 +379,9 @@ class LlamaFamilyDecoder:
         rows, dtype = query.shape[2], self._prompt_dtype
         out = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), is_causal=True,
                                              scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
-        return out.to(query.dtype).transpose(1, 2).reshape(rows, self.heads * self.head_dim)
+        # in a narrower dtype, the output projection's product takes it as it is (widening it first was a round trip)
+        out = out if dtype != self.embedding.dtype else out.to(query.dtype)
+        return out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)
 
     def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The attention's output projection and residual, then the MLP block and its residual."""
