@@ -103,3 +103,50 @@ def test_both_prompt_products_are_timed_on_a_prompt_sized_block_of_rows():
         pytest.skip(reason)
     seconds = pk.time_prompt_products(repeats=1)
     assert set(seconds) == {"expanded", "vnni8"} and all(0 < t < 10 for t in seconds.values())
+
+
+# --- short prompts: read by the tree products where ``auto`` reads prompts expanded ---------------------------------
+
+
+def test_the_short_prompt_crossover_is_the_longest_length_up_to_which_the_tree_products_always_won():
+    assert pk.choose_short_prompt_rows({16: (0.08, 0.17), 32: (0.10, 0.21), 64: (0.21, 0.27),
+                                        128: (0.45, 0.38)}) == 64
+    assert pk.choose_short_prompt_rows({16: (0.2, 0.1), 32: (0.1, 0.2)}) == 0  # lost at the shortest: never
+    assert pk.choose_short_prompt_rows({32: (0.1, 0.2), 16: (0.1, 0.2), 64: (0.3, 0.3)}) == 32  # a tie is a loss
+    assert pk.choose_short_prompt_rows({16: (0.1, 0.2), 32: (0.3, 0.2), 64: (0.1, 0.9)}) == 16  # no later win counts
+    assert pk.choose_short_prompt_rows({}) == 0
+
+
+@pytest.fixture
+def short_file(tmp_path, monkeypatch):
+    path = tmp_path / "kernels" / "short-prompts-k-t2.json"
+    monkeypatch.setattr(pk, "short_prompt_path", lambda key, threads: path)
+    return path
+
+
+def test_the_crossover_is_timed_until_the_first_loss_kept_and_read_back(short_file):
+    table = {16: (0.08, 0.17), 32: (0.10, 0.21), 64: (0.30, 0.27)}
+    calls = []
+
+    def time_prompt(rows, tree):
+        calls.append((rows, tree))
+        return table[rows][0 if tree else 1]
+
+    assert pk.timed_short_prompt_rows("k", 2, time_prompt) == 32
+    # one untimed reading each, then three interleaved pairs per length, and nothing past the first loss
+    assert calls[:2] == [(16, True), (16, False)]
+    assert calls[2:] == [(rows, tree) for rows in (16, 32, 64) for _ in range(3) for tree in (True, False)]
+    kept = json.loads(short_file.read_text(encoding="utf-8"))
+    assert kept["version"] == pk.SHORT_CHOICE_VERSION and kept["rows"] == 32
+    assert kept["seconds"] == {"16": [0.08, 0.17], "32": [0.10, 0.21], "64": [0.30, 0.27]}
+    # another process on this machine reads the file and times nothing
+    assert pk.timed_short_prompt_rows("k", 2, lambda rows, tree: pytest.fail("timed again")) == 32
+
+
+@pytest.mark.parametrize("kept", ["{not json", '{"version": 0, "rows": 64}', '{"version": 1, "rows": -1}',
+                                  '{"version": 1, "rows": "64"}', '{"version": 1, "rows": true}', "[]"])
+def test_a_crossover_file_that_cannot_be_read_is_timed_again_and_rewritten(short_file, kept):
+    short_file.parent.mkdir(parents=True)
+    short_file.write_text(kept, encoding="utf-8")
+    assert pk.timed_short_prompt_rows("k", 2, lambda rows, tree: 0.1 if tree else 0.2 * (rows <= 32)) == 32
+    assert json.loads(short_file.read_text(encoding="utf-8"))["rows"] == 32

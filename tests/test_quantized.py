@@ -246,6 +246,7 @@ def float32_prefill(monkeypatch):
     expanded products faster."""
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: False)
     monkeypatch.setattr(prompt_kernel, "timed_prompt_choice", lambda threads: "expanded")
+    monkeypatch.setattr(prompt_kernel, "timed_short_prompt_rows", lambda key, threads, time_prompt: 0)
 
 
 @pytest.fixture(params=["float32", "bfloat16", "integer"])
@@ -258,6 +259,7 @@ def prefill(request, monkeypatch):
     monkeypatch.setattr(onednn, "native_bfloat16", lambda: request.param == "bfloat16")
     monkeypatch.setattr(prompt_kernel, "timed_prompt_choice",
                         lambda threads: "vnni8" if request.param == "integer" else "expanded")
+    monkeypatch.setattr(prompt_kernel, "timed_short_prompt_rows", lambda key, threads, time_prompt: 0)
     return request.param
 
 
@@ -364,7 +366,7 @@ def test_the_int4_runtime_reads_prompts_through_the_files_float32_weights(tmp_pa
     """The prompt's keys and values are the float32 expansion's (no second copy of the weights), bit for bit."""
     model, path = _tiny(tmp_path)
     reference = _float32_copy(model)
-    target = _int4_target(model, path, kv_cache="model")
+    target = _int4_target(model, path, kv_cache="model", prompt_kernel="expanded")
     assert target.runtime.prefill_decoder.lm_head.weights[0].data_ptr() == model.lm_head.weight.data_ptr()
     for ours, theirs in _prompt_cache_layers(target, reference):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
@@ -718,3 +720,41 @@ def test_a_head_over_some_tokens_computes_those_columns_of_the_whole_head_bit_fo
             outputs.append(target.forward_tree(cache, tree, head=head).logits)
         whole, short = outputs
         assert torch.equal(short, whole[:, tokens])
+
+
+def test_where_prompts_are_read_expanded_short_ones_are_read_by_the_tree_products(tmp_path, monkeypatch):
+    """``auto`` reads a prompt of up to the timed crossover's length through the products that verify trees, a longer
+    one expanded: each reading is bit for bit that path's own; the crossover is timed with this model's key only
+    where ``auto`` chose the expanded weights."""
+    model, path = _tiny(tmp_path)
+    asked = []
+
+    def crossover(rows):
+        return lambda key, threads, time_prompt: asked.append((key, time_prompt)) or rows
+
+    monkeypatch.setattr(prompt_kernel, "timed_short_prompt_rows", crossover(8))
+    target = _int4_target(model, path, "compiled")
+    assert target.runtime.prompt_kernel == "expanded" and target.runtime.describe()["short_prompt_rows"] == 8
+    monkeypatch.setattr(prompt_kernel, "timed_short_prompt_rows", crossover(10**6))
+    by_trees = _int4_target(model, path, "compiled")
+    monkeypatch.setattr(prompt_kernel, "timed_short_prompt_rows", lambda *args: pytest.fail("timed"))
+    expanded = _int4_target(model, path, "compiled", prompt_kernel="expanded")
+    assert expanded.runtime.short_prompt_rows == 0
+
+    def layers(t, prompt):
+        cache = t.new_cache()
+        t.prefill(cache, prompt)
+        return [(layer.keys, layer.values) for layer in cache.layers]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for pair_a, pair_b in zip(a, b) for x, y in zip(pair_a, pair_b))
+
+    short, long = [3, 14, 15, 9, 26, 5, 35, 2], [3, 14, 15, 9, 26, 5, 35, 2, 2, 7, 11]
+    assert same(layers(target, short), layers(by_trees, short))
+    assert not same(layers(target, short), layers(expanded, short))
+    assert same(layers(target, long), layers(expanded, long))
+    assert not same(layers(target, long), layers(by_trees, long))
+    # both models' keys are the same (one shape, one kernel, one file) and the timing reads each path
+    assert asked[0][0] == asked[1][0] and len(asked) == 2
+    for tree in (True, False):
+        assert 0 < asked[0][1](4, tree) < 10

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -39,6 +42,7 @@ from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
+from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.prompt_kernel import PROMPT_KERNELS, expanded_product_dtype, resolve_prompt_kernel
 from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool
@@ -156,6 +160,7 @@ class Runtime:
         #: the decoder that reads prompts where it is not :attr:`decoder` (:mod:`~hierspec.runtime.prompt_kernel`)
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.prompt_kernel: str | None = None
+        self._short_prompt_rows: int | None = None  # timed when first needed (short_prompt_rows)
         self.packing = None
         self.int4_kernel: Int4Kernels | None = None
         quantized = None if use_graphs else self._quantized_weights()
@@ -266,9 +271,43 @@ class Runtime:
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
                 "prompt_kernel": self.prompt_kernel,
+                "short_prompt_rows": self.short_prompt_rows if self.prefill_decoder is not None else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
+
+    @property
+    def short_prompt_rows(self) -> int:
+        """The longest prompt (in rows) read by :attr:`decoder` although :attr:`prefill_decoder` reads prompts: where
+        ``auto`` chose the expanded weights, timed once per machine and model shape
+        (:func:`~hierspec.runtime.prompt_kernel.timed_short_prompt_rows`); 0 otherwise."""
+        if self._short_prompt_rows is None:
+            timed = (self.prefill_decoder is not None and self.config.prompt_kernel == "auto"
+                     and self.prompt_kernel == "expanded")
+            self._short_prompt_rows = prompt_choice.timed_short_prompt_rows(
+                self._shape_key(), torch.get_num_threads(), self._time_prompt) if timed else 0
+        return self._short_prompt_rows
+
+    def _shape_key(self) -> str:
+        """A short hash of what a prompt's reading time depends on besides the machine: the model's shapes, the
+        kernels, the weights' storage (the file's name and size, requantized or not) and the dtype."""
+        text = self.model.config.get_text_config(decoder=True)
+        gguf = Path(self.config.gguf) if self.config.gguf else None
+        parts = [text.hidden_size, text.intermediate_size, self.num_layers, self.kv_heads, self.head_dim,
+                 self.int4_kernel, self.config.requantize, self.dtype,
+                 gguf.name if gguf else None, gguf.stat().st_size if gguf and gguf.is_file() else None]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
+
+    def _time_prompt(self, rows: int, tree: bool) -> float:
+        """Seconds of reading a ``rows``-token prompt onto an empty cache by the tree products or expanded."""
+        ids = (torch.arange(rows, device=self.device) % self.decoder.embedding.shape[0])[None]
+        decoder = self.decoder if tree else self.prefill_decoder
+        cache = self.eager_cache(rows)
+        start = time.perf_counter()
+        with torch.inference_mode(), cache.aligned(1):
+            decoder.forward(ids, torch.arange(rows, device=self.device)[None], None, cache, slice(rows - 1, rows),
+                            False, want_logits=False)
+        return time.perf_counter() - start
 
     @property
     def requantized(self) -> bool:
@@ -457,7 +496,8 @@ class Runtime:
         # on an empty cache the prompt is attended causally without a mask (the decoder's one-call causal path)
         mask = None if past == 0 else (torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
                                        )[None, None]
-        decoder = self.prefill_decoder or self.decoder
+        long = self.prefill_decoder is not None and count > self.short_prompt_rows
+        decoder = self.prefill_decoder if long else self.decoder
         with cache.aligned(1):
             _, hidden = decoder.forward(input_ids, positions[None], mask, cache, keep, want_hidden, want_logits=False)
         return hidden

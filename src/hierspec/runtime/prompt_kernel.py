@@ -14,12 +14,19 @@ per machine and thread count and kept beside the compiled kernel, so that every 
 the same way (a prompt's keys and values are part of the model that runs: every method reads the same ones, so each
 stays lossless against plain decoding). Where trees are verified by another kernel than the integer ones, prompts
 are read expanded. What the choice changes is measured in BENCHMARKS.md ("Twenty-eighth session").
+
+Where ``auto`` reads prompts expanded, short prompts are still read by the tree products: the expanded products
+stream twice the bytes (bfloat16 against 4-bit codes) and win only once a prompt has enough rows to be compute-bound
+(Qwen2.5-Coder-1.5B on an Intel Xeon with AMX: 32 tokens 206 ms expanded against ~100 by the tree products, 150
+tokens 412 against ~500). The longest prompt the tree products read is timed once per machine, thread count and
+model shape (:func:`timed_short_prompt_rows`) and kept, for the same reason as the choice itself.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -114,3 +121,59 @@ def time_prompt_products(repeats: int = 9) -> dict[str, float]:
     with torch.inference_mode():
         seconds = int4_kernel.time_kernels(products, in_features, repeats, row_counts=(PROMPT_ROWS,))
     return {name: times[0] for name, times in seconds.items()}
+
+
+#: prompt lengths the short-prompt crossover is timed at, shortest first (timing stops at the first the expanded
+#: weights read faster)
+SHORT_PROMPT_LENGTHS = (16, 32, 64, 128, 256)
+#: 1: the first short-prompt file
+SHORT_CHOICE_VERSION = 1
+
+
+def choose_short_prompt_rows(seconds: Mapping[int, tuple[float, float]]) -> int:
+    """The longest timed prompt length up to which the tree products read every timed length faster than the
+    expanded weights (``seconds``: length -> (tree products, expanded) seconds); 0 when they lose at the shortest.
+
+    Example: ``choose_short_prompt_rows({16: (0.08, 0.17), 32: (0.10, 0.21), 64: (0.21, 0.27), 128: (0.45, 0.38)})``
+    is 64.
+    """
+    chosen = 0
+    for rows in sorted(seconds):
+        tree, expanded = seconds[rows]
+        if tree >= expanded:
+            break
+        chosen = rows
+    return chosen
+
+
+def short_prompt_path(key: str, threads: int) -> Path:
+    """Where the crossover of a model's shapes and kernels (``key``) for ``threads`` threads is kept: beside the
+    compiled kernel's own choices."""
+    return int4_kernel.choice_path(threads).with_name(f"short-prompts-{key}-t{threads}.json")
+
+
+def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, bool], float]) -> int:
+    """The longest prompt the tree products read (the rest are read expanded): kept in :func:`short_prompt_path`, or
+    timed here — ``time_prompt(length, tree)`` seconds after one untimed reading by each, each length's two
+    readings interleaved, best of three — and
+    kept there, so that every process on a machine reads a prompt of a given length alike."""
+    path = short_prompt_path(key, threads)
+    kept = int4_kernel.read_kept_choice(path, SHORT_CHOICE_VERSION)
+    rows = None if kept is None else kept.get("rows")
+    if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0:
+        return rows
+    seconds: dict[int, tuple[float, float]] = {}
+    time_prompt(SHORT_PROMPT_LENGTHS[0], True)  # untimed: both paths' weights read once (a first read faults pages)
+    time_prompt(SHORT_PROMPT_LENGTHS[0], False)
+    for length in SHORT_PROMPT_LENGTHS:
+        samples = [(time_prompt(length, True), time_prompt(length, False)) for _ in range(3)]
+        seconds[length] = (min(s[0] for s in samples), min(s[1] for s in samples))
+        if seconds[length][0] >= seconds[length][1]:
+            break
+    rows = choose_short_prompt_rows(seconds)
+    log.info("prompts of up to %d tokens read by the tree products, longer ones expanded (ms, tree / expanded: %s)",
+             rows, ", ".join(f"{n}: {t * 1e3:.0f} / {e * 1e3:.0f}" for n, (t, e) in seconds.items()))
+    int4_kernel.keep_choice(path, {"version": SHORT_CHOICE_VERSION, "rows": rows,
+                                   "seconds": {str(n): list(pair) for n, pair in seconds.items()}},
+                            "short-prompt crossover")
+    return rows
