@@ -33,6 +33,7 @@ import torch
 
 from hierspec.errors import InputError
 from hierspec.runtime import attention, onednn
+from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
 from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.exact_attention import ExactPlan
@@ -42,7 +43,6 @@ from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.int4_kernel import KERNEL_CHOICES
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
-from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.prompt_kernel import PROMPT_KERNELS, expanded_product_dtype, resolve_prompt_kernel
 from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
 from hierspec.runtime.slots import SlotPool

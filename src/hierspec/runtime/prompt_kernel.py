@@ -154,9 +154,9 @@ def short_prompt_path(key: str, threads: int) -> Path:
 
 def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, bool], float]) -> int:
     """The longest prompt the tree products read (the rest are read expanded): kept in :func:`short_prompt_path`, or
-    timed here — ``time_prompt(length, tree)`` seconds after one untimed reading by each, each length's two
-    readings interleaved, best of three — and
-    kept there, so that every process on a machine reads a prompt of a given length alike."""
+    timed here and kept there, so that every process on a machine reads a prompt of a given length alike.
+    ``time_prompt(length, tree)``: seconds of one reading; after one untimed reading by each path, each length's two
+    readings are interleaved, best of three, up to the first length the expanded weights read faster."""
     path = short_prompt_path(key, threads)
     kept = int4_kernel.read_kept_choice(path, SHORT_CHOICE_VERSION)
     rows = None if kept is None else kept.get("rows")
