@@ -124,10 +124,10 @@ class HierarchyConfig:
             model then pre-verifies the databases' tree and continues it while it is confident, HSDDW's middle
             level (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens it accepts cost one draft
             forward for all of them, and where they stop it drafts on by itself; the block it leaves is sized by
-            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth and forty-first
-            sessions): 2.33x ``ar`` against 1.87x on 40 HumanEval problems, but 1.61x against 1.65x on 26 dev
-            questions (summarization 1.38x against 1.76x; retrieval-augmented 1.22x since the deferred start, 0.83x
-            before): not the default while it loses on dev.
+            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth to forty-second
+            sessions): 2.46x ``ar`` against 1.85x on 40 HumanEval problems and 1.71x against 1.69x on 26 dev
+            questions, but 1.59x against 1.80x on summarization and 1.03x against 1.17x on retrieval-augmented
+            questions, whose long prompts make each draft round dearer: not the default while it loses there.
         defer: (with ``draft``) the draft model starts on a long prompt only once the steps without it would pay
             for reading it (:mod:`hierspec.drafters.deferred_start`); until then the databases draft alone.
             ``False``: it starts at once.

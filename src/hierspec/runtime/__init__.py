@@ -301,12 +301,10 @@ class Runtime:
     def _time_prompt(self, rows: int, tree: bool) -> float:
         """Seconds of reading a ``rows``-token prompt onto an empty cache by the tree products or expanded."""
         ids = (torch.arange(rows, device=self.device) % self.decoder.embedding.shape[0])[None]
-        decoder = self.decoder if tree else self.prefill_decoder
         cache = self.eager_cache(rows)
         start = time.perf_counter()
-        with torch.inference_mode(), cache.aligned(1):
-            decoder.forward(ids, torch.arange(rows, device=self.device)[None], None, cache, slice(rows - 1, rows),
-                            False, want_logits=False)
+        with torch.inference_mode():
+            self._read_prompt(cache, ids, slice(rows - 1, rows), False, self.decoder if tree else self.prefill_decoder)
         return time.perf_counter() - start
 
     @property
@@ -486,18 +484,19 @@ class Runtime:
         hidden = self._read_prompt(cache, input_ids, slice(count - 1, count), want_hidden)
         return hidden[-1] if want_hidden else None
 
-    def _read_prompt(self, cache: TreeCache, input_ids: torch.Tensor, keep: slice, want_hidden: bool
-                     ) -> torch.Tensor | None:
-        """The prompt ``input_ids`` ``[1, count]`` read onto ``cache`` by the decoder that reads prompts; the
-        hidden states of the rows ``keep`` selects (with ``want_hidden``). Keys unaligned, as transformers' own
-        prefill attends them."""
+    def _read_prompt(self, cache: TreeCache, input_ids: torch.Tensor, keep: slice, want_hidden: bool,
+                     decoder: LlamaFamilyDecoder | None = None) -> torch.Tensor | None:
+        """The prompt ``input_ids`` ``[1, count]`` read onto ``cache`` by ``decoder``, by default the one that reads
+        a prompt of that length; the hidden states of the rows ``keep`` selects (with ``want_hidden``). Keys
+        unaligned, as transformers' own prefill attends them."""
         past, count = cache.get_seq_length(), input_ids.shape[-1]
         positions = torch.arange(past, past + count, device=self.device)
         # on an empty cache the prompt is attended causally without a mask (the decoder's one-call causal path)
         mask = None if past == 0 else (torch.arange(past + count, device=self.device)[None, :] <= positions[:, None]
                                        )[None, None]
-        long = self.prefill_decoder is not None and count > self.short_prompt_rows
-        decoder = self.prefill_decoder if long else self.decoder
+        if decoder is None:
+            long = self.prefill_decoder is not None and count > self.short_prompt_rows
+            decoder = self.prefill_decoder if long else self.decoder
         with cache.aligned(1):
             _, hidden = decoder.forward(input_ids, positions[None], mask, cache, keep, want_hidden, want_logits=False)
         return hidden

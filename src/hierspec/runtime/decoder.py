@@ -71,7 +71,7 @@ class Projection:
         self.narrow_output = narrow_output and product_dtype is not None and all(b is None for b in biases)
         self.prepacked = self.packed and (product_dtype is None or onednn.probe(product_dtype) is None)
         if self.packed:
-            stacked = torch.cat(weights) if product_dtype is None else torch.cat(weights).to(product_dtype)
+            stacked = torch.cat(weights).to(product_dtype or weights[0].dtype)
             self.weight = pack_weight(stacked) if self.prepacked else stacked
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
@@ -379,8 +379,7 @@ class LlamaFamilyDecoder:
         rows, dtype = query.shape[2], self._prompt_dtype
         out = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), is_causal=True,
                                              scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
-        # in a narrower dtype, the output projection's product takes it as it is (widening it first was a round trip)
-        out = out if dtype != self.embedding.dtype else out.to(query.dtype)
+        # left in the products' dtype: the output projection takes it as it is (widening it first was a round trip)
         return out.transpose(1, 2).reshape(rows, self.heads * self.head_dim)
 
     def _mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
