@@ -215,6 +215,22 @@ def test_a_drafter_that_cannot_pay_never_runs(caplog):
     assert "drafting cannot pay" in caplog.text
 
 
+class _FreeFallback(_Chain):
+    """A costly chain that can also offer the free draft ``9 9`` (as HSDDW offers its retrieval level alone)."""
+
+    def free_proposal(self, context, budget):
+        return build_tree(int(context[-1]), [[9, 9][:budget]])
+
+
+def test_a_step_the_plan_prices_out_sends_the_drafters_free_proposal_and_teaches_the_plan_nothing():
+    inner = _FreeFallback(ms=54.0)  # cannot pay, as in the test above
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=2)
+    sizes = _run(drafter, 20, accepted=lambda tree: tree.size - 1)
+    assert inner.budgets == [] and sizes == [3] * 20 and drafter.skipped_steps == 20
+    assert inner.observed == 20 and drafter._reached.sum() == drafter._accepted.sum() == 0
+    assert drafter.propose(np.array([7]), 1).tokens.tolist() == [7, 9]  # within the budget
+
+
 def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pays():
     # 40 ms per token, curve flat at 60 ms up to 8 rows: at the prior (half accepted) one token gives 1.5 / 100
     # tokens per ms < 1 / 60 (no draft); with every token accepted 2 / 100 > 1 / 60, and 3 / 140 more at depth 2

@@ -440,6 +440,32 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
     assert unwindowed.report()["deferred_steps"] == 0  # without the target's cost: the old behaviour
 
 
+def test_hsddw_whose_middle_model_cannot_pay_sends_its_retrieval_drafts_alone(target):
+    """A middle round priced at 9.6 ms against a 10 ms target step can never pay (at best under 1.05x), so the plan
+    skips every step: prompt lookup's drafts go to the target without the middle model — plain decoding's tokens,
+    drafts verified, no middle forward. A first level that is itself a draft model has nothing free to offer: those
+    steps decode plainly."""
+    rng = np.random.default_rng(6)
+    prompts = [(motif := rng.integers(1, VOCAB, size=6).tolist()) * 4 + motif[:2] for _ in range(3)]
+    config = GenerationConfig(max_new_tokens=24)
+    plain = SpeculativeDecoder(target, NoDrafter())
+    middle = DraftLM(self_drafting_model(target, 3), step_cost=lambda rows: 9.6)
+    first_model = DraftModelDrafter(DraftLM(self_drafting_model(target, 2), step_cost=lambda rows: 9.6),
+                                    DraftModelConfig(k=3))
+    for first, drafts in ((PromptLookupDrafter(PromptLookupConfig()), True), (first_model, False)):
+        drafter = CostAwareDrafter(HSDDWDrafter(first, middle, HSDDWConfig(tau=3.0, max_block=8)),
+                                   lambda rows: 10.0)
+        decoder = SpeculativeDecoder(target, drafter)
+        drafted = 0
+        for prompt in prompts:
+            result = decoder.generate(prompt, config)
+            assert result.token_ids == plain.generate(prompt, config).token_ids
+            assert result.stats.drafter["cost_skipped_steps"] == result.stats.target_forwards
+            assert middle.forwards == 0
+            drafted += result.stats.drafted_tokens
+        assert (drafted > 0) == drafts
+
+
 def test_sd_methods_parse_their_options(target):
     drafter = make_drafter("sd:draft=self:2,k=6,self_verify=true,tau=0.5,budget=off", DrafterContext(target))
     assert drafter.config == DraftModelConfig(k=6, self_verify=True, tau=0.5)

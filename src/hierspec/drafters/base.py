@@ -44,6 +44,12 @@ class Drafter(ABC):
         models' forwards (from their measured cost curves). Retrieval is taken as free (0, the default)."""
         return 0.0
 
+    def free_proposal(self, context: np.ndarray, budget: int) -> DraftTree | None:
+        """Instead of :meth:`propose`, in a step where the cost-aware plan finds that drafting at
+        :meth:`draft_cost` does not pay: a draft that costs nothing beyond retrieval (HSDDW's retrieval first
+        level, sent to the target without its middle model), or ``None`` (the default) to decode the step plainly."""
+        return None
+
     def share_forward(self, rows: int, tokens: float, draft_ms: float = 0.0) -> None:
         """Called before :meth:`propose` when other generations' trees are verified in the same forward (batched
         serving): they hold ``rows`` rows, are expected to add ``tokens`` tokens and took ``draft_ms`` milliseconds

@@ -210,10 +210,11 @@ class CostAwareDrafter(Drafter):
             self._next_explore = self._steps + self._backoff.interval
         self._proposed = planned > 0
         self._planned = planned
-        if not self._proposed:
+        if not self._proposed:  # the step is not the plan's: its verdict teaches the plan nothing
             self.skipped_steps += 1
             self._depth = 0
-            return root_only(int(context[-1]))
+            free = self.inner.free_proposal(context, budget)
+            return root_only(int(context[-1])) if free is None else free
         if self.window is not None:  # the drafter stops token by token, by its tokens' confidence
             self.window.start(*self._shared)
             tree = self.inner.propose(context, budget)
