@@ -343,11 +343,13 @@ def test_hd_with_a_draft_model_reproduces_plain_decoding_and_the_model_adds_toke
 
 def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
     context = DrafterContext(target, find_default_stores=False, draft_model="self:1")
-    assert isinstance(make_drafter("hd", context), HierarchyDrafter)  # off by default, even with --draft-model
-    with_cli = make_drafter("hd:draft=on", context)
-    assert isinstance(with_cli, CostAwareDrafter) and isinstance(with_cli.inner, HSDDWDrafter)
-    assert isinstance(with_cli.inner.first, HierarchyDrafter)
-    assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1 and with_cli.inner.start.defer
+    assert isinstance(make_drafter("hd:draft=off", context), HierarchyDrafter)
+    # without --draft-model the default is hd alone; with one (draft=auto, the default) or draft=on, it drafts too
+    assert isinstance(make_drafter("hd", DrafterContext(target, find_default_stores=False)), HierarchyDrafter)
+    for with_cli in (make_drafter("hd", context), make_drafter("hd:draft=on", context)):
+        assert isinstance(with_cli, CostAwareDrafter) and isinstance(with_cli.inner, HSDDWDrafter)
+        assert isinstance(with_cli.inner.first, HierarchyDrafter)
+        assert with_cli.inner.middle.model.model.config.num_hidden_layers == 1 and with_cli.inner.start.defer
     assert not make_drafter("hd:draft=on,defer=false", context).inner.start.defer
     named = make_drafter("hd:draft=self:2", DrafterContext(target, find_default_stores=False))
     assert named.inner.middle.model.model.config.num_hidden_layers == 2
@@ -357,6 +359,7 @@ def test_hd_takes_the_draft_model_from_its_option_or_the_command_line(target):
     three = make_drafter("hsddw:first=hd,middle=self:3", context).inner
     assert isinstance(three.first, HierarchyDrafter) and three.middle.model.model.config.num_hidden_layers == 3
     assert draft_model_of("off", "m") is None and draft_model_of("on", "m") == "m"
+    assert draft_model_of("auto", "m") == "m" and draft_model_of("auto", None) is None
     assert draft_model_of("self:2", None) == "self:2"
 
 

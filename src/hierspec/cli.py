@@ -70,7 +70,8 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("draft models (methods sd, hsddw and hd)")
     group.add_argument("--draft-model", default=None,
                        help="self:K (the target's first K layers) or a model with the target's tokenizer (hd reads "
-                            "it with hd:draft=on: it pre-verifies and continues the databases' drafts)")
+                            "it by default since 2026-11-29, hd:draft=off leaves it out: it pre-verifies and "
+                            "continues the databases' drafts)")
     group.add_argument("--middle-model", default=None, help="hsddw's middle model (self:K or a model)")
     group.add_argument("--self-verify", action="store_true", help="sd: entropy-based dynamic draft window")
     group.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB,

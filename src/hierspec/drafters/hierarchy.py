@@ -119,15 +119,16 @@ class HierarchyConfig:
             the root alone. A full batch, where the forward is shared and every request's search is not, then
             decodes as fast as ``ar`` does (26 dev requests at 8: 0.98x ``ar``, 0.92x without); alone ``hd``
             always searches (skipping there lost more accepted drafts than it saved).
-        draft: a draft model as one more source: ``off`` (the default) none, ``on`` the command line's
-            ``--draft-model``, anything else names the model (``self:K``, an id, a directory or a ``.gguf``). The
-            model then pre-verifies the databases' tree and continues it while it is confident, HSDDW's middle
-            level (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens it accepts cost one draft
-            forward for all of them, and where they stop it drafts on by itself; the block it leaves is sized by
-            the cost curves. Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, fortieth to forty-second
-            sessions): 2.46x ``ar`` against 1.85x on 40 HumanEval problems and 1.71x against 1.69x on 26 dev
-            questions, but 1.59x against 1.80x on summarization and 1.03x against 1.17x on retrieval-augmented
-            questions, whose long prompts make each draft round dearer: not the default while it loses there.
+        draft: a draft model as one more source: ``auto`` (the default since the forty-third session) the
+            command line's ``--draft-model`` when one is given, else none; ``off`` none; ``on`` the command line's
+            ``--draft-model`` (an error without one); anything else names the model (``self:K``, an id, a directory
+            or a ``.gguf``). The model then pre-verifies the databases' tree and continues it while it is
+            confident, HSDDW's middle level (:func:`~hierspec.drafters.hsddw.pre_verified`): the databases' tokens
+            it accepts cost one draft forward for all of them, and where they stop it drafts on by itself; the
+            block it leaves is sized by the cost curves, and a step they price out sends the databases' tree alone.
+            Qwen2.5-Coder-1.5B with the 0.5B (BENCHMARKS.md, forty-second and forty-third sessions): 2.46x ``ar``
+            against 1.85x on 40 HumanEval problems, 1.69x against 1.69x on 26 dev questions (summarization 1.67x
+            against 1.73x, every other task within 1 % or ahead).
         defer: (with ``draft``) the draft model starts on a long prompt only once the steps without it would pay
             for reading it (:mod:`hierspec.drafters.deferred_start`); until then the databases draft alone.
             ``False``: it starts at once.
@@ -161,7 +162,7 @@ class HierarchyConfig:
     h_width: int = 3
     h_gate: int = 8
     search_gate: bool = True
-    draft: str = "off"
+    draft: str = "auto"
     defer: bool = True
 
     def __post_init__(self) -> None:
@@ -627,10 +628,13 @@ def build_hierarchy(options: HierarchyConfig, written: dict[str, str], context) 
 
 
 def draft_model_of(option: str, from_cli: str | None) -> str | None:
-    """The draft model ``hd``'s ``draft=`` option names: ``off`` → ``None``, ``on`` → the command line's
-    ``--draft-model`` (an error without one), anything else → itself."""
+    """The draft model ``hd``'s ``draft=`` option names: ``off`` → ``None``, ``auto`` → the command line's
+    ``--draft-model`` or ``None``, ``on`` → the command line's ``--draft-model`` (an error without one), anything
+    else → itself."""
     if option == "off":
         return None
+    if option == "auto":
+        return from_cli or None
     if option == "on":
         if not from_cli:
             raise InputError("hd:draft=on reads the draft model from --draft-model, and none was given")

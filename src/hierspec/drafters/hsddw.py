@@ -281,7 +281,8 @@ def build_hsddw(options: HsddwOptions, written: dict[str, str], context) -> HSDD
         first = DraftModelDrafter(context.load_draft_lm(draft, "hsddw"),
                                   DraftModelConfig(k=options.k, self_verify=True, tau=options.tau1))
     elif first_name in FIRST_DRAFTERS:
-        first = build_drafter(first_name, context, cost_aware=False)  # the middle model sizes the blocks
+        # the middle model sizes the blocks; hd's own draft model stays off under this one
+        first = build_drafter("hd:draft=off" if first_name == "hd" else first_name, context, cost_aware=False)
     else:
         raise InputError(f"hsddw's first drafter must be sd or a retrieval method (pld, rest, hd), not "
                          f"{first_name!r}")
