@@ -54,6 +54,43 @@ def test_hd_pre_verified_by_a_draft_model_matches_exact_distribution():
     _assert_exact_law(target, drafter, sampling, joint)
 
 
+def test_hd_whose_draft_model_cannot_pay_sends_the_databases_trees_alone_and_matches_exact_distribution():
+    """A draft forward priced at 9.8 ms against a 10 ms target step never pays, so every step is one the plan prices
+    out and sends the databases' tree alone (:meth:`~hierspec.drafters.hsddw.HSDDWDrafter.free_proposal`):
+    sampled through the wrapper, the law is the target's."""
+    from hierspec.datastore.recent_outputs import RecentOutputs
+    from hierspec.datastore.successors import SuccessorTable
+    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+    from hierspec.drafters.hsddw import pre_verified
+
+    target = make_target("llama", vocab_size=VOCAB, seed=12, layers=1, hidden=16, init_std=0.2)
+    middle = make_target("qwen2", vocab_size=VOCAB, seed=33, layers=1, hidden=16, init_std=0.2)
+    outputs = RecentOutputs(max_tokens=200)
+    outputs.add([1, 2, 3, 1, 2, 5, 5, 0, 7])
+    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
+    joint = exact_joint(exact_table(target, sampling))
+    lms = []
+
+    def drafter():
+        hd = HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
+                              successors=SuccessorTable(VOCAB, 4), outputs=outputs)
+        lms.append(_Counted(middle, step_cost=lambda rows: 9.8))
+        return pre_verified(hd, lms[-1], lambda rows: 10.0)
+
+    _assert_exact_law(target, drafter, sampling, joint)
+    assert lms and sum(lm.scored for lm in lms) == 0  # the draft model never ran
+
+
+class _Counted(DraftLM):
+    """Counts the forwards it scores, over every generation (``forwards`` restarts with each)."""
+
+    scored = 0
+
+    def score_tree_short(self, context, tree):
+        self.scored += 1
+        return super().score_tree_short(context, tree)
+
+
 class _OneStepLate(DeferredStart):
     """Starts the draft model at the second step of every generation (the prompt here is one token: the real rule
     would start it at once), so that both kinds of step are sampled."""
