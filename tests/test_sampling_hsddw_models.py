@@ -6,10 +6,13 @@ distributions here come from real forwards after cache roll-backs, so a stale ca
 module so that pytest-xdist can run it beside the other χ² tests (10 000 runs, ``RUNS``).
 """
 
+from hierspec.datastore.recent_outputs import RecentOutputs
+from hierspec.datastore.successors import SuccessorTable
 from hierspec.draft_lm import DraftLM
 from hierspec.drafters.deferred_start import DeferredStart
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter
-from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
+from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
+from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter, pre_verified
 from test_sampling_lossless import RUNS, SETTINGS, VOCAB, chi_square_pvalue, exact_joint, exact_table, sample_counts
 from tiny import make_target
 
@@ -32,22 +35,10 @@ def test_hd_pre_verified_by_a_draft_model_matches_exact_distribution():
     """``hd`` with a draft model (:func:`~hierspec.drafters.hsddw.pre_verified`, the cost-aware wrapper included):
     the databases' deterministic tree pre-verified by a tiny Qwen2, which continues it, then the target — after a
     first step whose tree goes to the target alone (the draft model's start deferred by one step)."""
-    from hierspec.datastore.recent_outputs import RecentOutputs
-    from hierspec.datastore.successors import SuccessorTable
-    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
-    from hierspec.drafters.hsddw import pre_verified
-
-    target = make_target("llama", vocab_size=VOCAB, seed=12, layers=1, hidden=16, init_std=0.2)
-    middle = make_target("qwen2", vocab_size=VOCAB, seed=33, layers=1, hidden=16, init_std=0.2)
-    outputs = RecentOutputs(max_tokens=200)
-    outputs.add([1, 2, 3, 1, 2, 5, 5, 0, 7])
-    sampling = SETTINGS["temperature-0.7-top-p-0.9"]
-    joint = exact_joint(exact_table(target, sampling))
+    target, middle, sampling, joint, make_hd = _hd_setting()
 
     def drafter():  # a draft forward at a tenth of a target forward: drafting pays on this curve
-        hd = HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
-                              successors=SuccessorTable(VOCAB, 4), outputs=outputs)
-        drafter = pre_verified(hd, DraftLM(middle, step_cost=lambda rows: 1.0), lambda rows: 10.0 + 0.1 * rows)
+        drafter = pre_verified(make_hd(), DraftLM(middle, step_cost=lambda rows: 1.0), lambda rows: 10.0 + 0.1 * rows)
         drafter.inner.start = _OneStepLate(drafter.inner.middle)
         return drafter
 
@@ -58,27 +49,31 @@ def test_hd_whose_draft_model_cannot_pay_sends_the_databases_trees_alone_and_mat
     """A draft forward priced at 9.8 ms against a 10 ms target step never pays, so every step is one the plan prices
     out and sends the databases' tree alone (:meth:`~hierspec.drafters.hsddw.HSDDWDrafter.free_proposal`):
     sampled through the wrapper, the law is the target's."""
-    from hierspec.datastore.recent_outputs import RecentOutputs
-    from hierspec.datastore.successors import SuccessorTable
-    from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter
-    from hierspec.drafters.hsddw import pre_verified
+    target, middle, sampling, joint, make_hd = _hd_setting()
+    lms = []
 
+    def drafter():
+        lms.append(_Counted(middle, step_cost=lambda rows: 9.8))
+        return pre_verified(make_hd(), lms[-1], lambda rows: 10.0)
+
+    _assert_exact_law(target, drafter, sampling, joint)
+    assert lms and sum(lm.scored for lm in lms) == 0  # the draft model never ran
+
+
+def _hd_setting():
+    """A tiny Llama target, a tiny Qwen2 draft model, the sampling setting and its exact joint law, and a maker of
+    ``hd`` drafters (context, successors, automaton and earlier outputs; the outputs shared)."""
     target = make_target("llama", vocab_size=VOCAB, seed=12, layers=1, hidden=16, init_std=0.2)
     middle = make_target("qwen2", vocab_size=VOCAB, seed=33, layers=1, hidden=16, init_std=0.2)
     outputs = RecentOutputs(max_tokens=200)
     outputs.add([1, 2, 3, 1, 2, 5, 5, 0, 7])
     sampling = SETTINGS["temperature-0.7-top-p-0.9"]
-    joint = exact_joint(exact_table(target, sampling))
-    lms = []
 
-    def drafter():
-        hd = HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
-                              successors=SuccessorTable(VOCAB, 4), outputs=outputs)
-        lms.append(_Counted(middle, step_cost=lambda rows: 9.8))
-        return pre_verified(hd, lms[-1], lambda rows: 10.0)
+    def make_hd() -> HierarchyDrafter:
+        return HierarchyDrafter(HierarchyConfig(l=1, m=3, candidates=4, order="ctao", o_min_match=1),
+                                successors=SuccessorTable(VOCAB, 4), outputs=outputs)
 
-    _assert_exact_law(target, drafter, sampling, joint)
-    assert lms and sum(lm.scored for lm in lms) == 0  # the draft model never ran
+    return target, middle, sampling, exact_joint(exact_table(target, sampling)), make_hd
 
 
 class _Counted(DraftLM):

@@ -133,10 +133,8 @@ class HSDDWDrafter(Drafter):
         if limit <= 0:
             return root_only(int(context[-1]))
         if not self.start.ready(context, None if self.window is None else self.window.verify_ms):
-            if self.first.draft_cost(1) > 0:  # a first draft model waits for the middle one (they start together)
-                return root_only(int(context[-1]))
-            self._alone = True
-            return self.first.propose(context, limit)
+            free = self.free_proposal(context, budget)  # a first draft model waits for the middle one
+            return root_only(int(context[-1])) if free is None else free
         tokens: list[int] = []
         sources: list[str] = []
         dists: list[torch.Tensor] = []
@@ -167,10 +165,11 @@ class HSDDWDrafter(Drafter):
         return chain(int(context[-1]), tokens, sources, stacked)
 
     def free_proposal(self, context: np.ndarray, budget: int) -> DraftTree | None:
-        """The first drafter's own proposal when it is free to draft (retrieval), sent to the target as it is: in a
-        step where the plan prices a middle round out, the databases' tree still costs nothing to offer (on dev
-        summarization prompts of 660-920 tokens ``hd:draft=on`` decoded up to 48 of 61 steps plainly where ``hd``
-        drafted)."""
+        """The first drafter's own proposal when it is free to draft (retrieval), sent to the target as it is (a
+        first draft model offers nothing: it starts with the middle one): before the middle model has started, and
+        in a step where the plan prices a middle round out — the databases' tree still costs nothing to offer (on
+        dev summarization prompts of 660-920 tokens ``hd:draft=on`` decoded up to 48 of 61 steps plainly where
+        ``hd`` drafted)."""
         limit = min(budget, self.config.max_block)
         if limit <= 0 or self.first.draft_cost(1) > 0:
             return None
