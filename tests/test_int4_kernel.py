@@ -429,6 +429,15 @@ def test_the_build_key_changes_with_the_source_pytorch_and_the_cpu():
                 k.build_key(b"source", "2.13.0", "model name: A\nflags: avx2 avx512f")}) == 4
 
 
+def test_weights_read_once_are_fetched_non_temporally_on_amd_cpus_only():
+    amd = "model name\t: AMD EPYC 7B13 64-Core Processor\nflags\t\t: avx2 fma"
+    intel = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: avx2 avx512f amx_tile AMD_fake_flag"
+    assert k.compile_flags(amd) == k.CFLAGS + ("-DHIERSPEC_STREAM_NTA",)
+    assert k.compile_flags(intel) == k.CFLAGS  # a flag naming AMD is not the model name
+    source = (Path(k.__file__).parent / "int4_vnni.cpp").read_text()
+    assert "#ifdef HIERSPEC_STREAM_NTA" in source and "_MM_HINT_NTA" in source
+
+
 @pytest.mark.parametrize(("timings", "expected"), [
     ({"torch": [1.0, 2.0], "compiled": [0.5, 2.4]}, "compiled"),  # 2.9 < 3.0
     ({"torch": [1.0, 2.0], "compiled": [0.5, 2.6]}, "torch"),  # 3.1 > 3.0: never the slower one
@@ -529,7 +538,7 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
         q._timed_choice.cache_clear()
 
 
-def test_auto_times_the_one_code_integer_products_and_leaves_them_out_where_the_amx_tiles_run(monkeypatch):
+def test_auto_times_the_one_code_integer_products_beside_the_amx_tiles_and_never_the_two_code_ones(monkeypatch):
     candidates = []
     monkeypatch.setattr(q, "_timed_choice", lambda threads, names: candidates.append(names) or q.Int4Kernels(
         names[-1], names[-1]))
@@ -537,7 +546,8 @@ def test_auto_times_the_one_code_integer_products_and_leaves_them_out_where_the_
         monkeypatch.setattr(k, f"{name}_reason" if name != "compiled" else "compiled_kernel",
                             (lambda: None) if name != "compiled" else (lambda: (object(), None)))
     monkeypatch.setattr(q, "kernel_reason", lambda: None)
-    assert q.resolve_kernel("auto")[0] is not None and candidates[-1] == ("torch", "compiled", "amx", "bf16")
+    assert q.resolve_kernel("auto")[0] is not None
+    assert candidates[-1] == ("torch", "compiled", "amx", "bf16", "vnni8")
     monkeypatch.setattr(k, "amx_reason", lambda: "no tiles")
     assert q.resolve_kernel("auto") == (q.Int4Kernels("vnni8", "vnni8"), None)
     assert candidates[-1] == ("torch", "compiled", "bf16", "vnni8")  # two codes per row never timed by auto

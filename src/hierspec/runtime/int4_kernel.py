@@ -62,6 +62,9 @@ HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name(
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+#: the flag that makes the integer products fetch weights read once non-temporally (``int4_vnni.cpp``): on AMD CPUs
+#: only, where it measured faster (a Zen 3); on an Intel Xeon it made one row's products 1.6-3x slower
+STREAM_NTA_FLAG = "-DHIERSPEC_STREAM_NTA"
 #: elements per scale group (GGUF's 32-element blocks and Q4_K's sub-blocks)
 GROUP = 32
 #: ``RuntimeConfig.int4_kernel`` values
@@ -71,22 +74,21 @@ OWN_KERNELS = ("compiled", "amx", "bf16", "vnni", "vnni8")
 #: the kernels ``auto`` chooses among (each where it runs). Its integer products take rows as one 8-bit code an input
 #: (``vnni8``: llama.cpp's activation precision, the prompts' since the twenty-eighth session); ``vnni``'s two codes
 #: only where asked for: twice the dot products a row, so every tree and batch row costs more, for closer agreement
-#: with float32 rows only where the top two logits nearly tie (BENCHMARKS.md, "Thirty-second session")
+#: with float32 rows only where the top two logits nearly tie (BENCHMARKS.md, "Thirty-second session"). Where AMX
+#: tiles run, ``vnni8`` is timed against them too: until the forty-fourth session ``auto`` left it out there, the AMX
+#: tiles having measured faster at every row count while ``vnni8``'s one-row products were slowed 1.6-3x by
+#: non-temporal prefetches on that Xeon; with the default hint SmolLM2's one-token forward took 5.2 against 8.5 ms
+#: and Qwen2.5-Coder-1.5B's 60.8 against 68.2 (BENCHMARKS.md, "Forty-fourth session")
 KERNELS = ("torch", "compiled", "amx", "bf16", "vnni8")
-#: kernels ``auto`` leaves out where another one runs: the integer products where the AMX tiles run (``auto`` times
-#: 1 and 4 rows only). Side by side on an Intel Xeon with AMX, alternating runs, the AMX tiles were faster at every
-#: row count measured: a SmolLM2 forward's products 4.4 against 6.1-6.2 ms at one row, 6.0-6.4 against 6.9-7.4 at 16
-#: (BENCHMARKS.md, "Thirty-ninth session")
-AUTO_DEFERS = {"vnni8": "amx"}
 #: row counts the automatic choice times each kernel at: one token, and a small tree
 CHOICE_ROWS = (1, 4)
 #: the weight the automatic choice times, ``[out, in]`` (a SmolLM2 gate/up product's size)
 CHOICE_SHAPE = (3072, 576)
 #: what a choice file's entries mean (2: ``four_bit`` for 4-bit and Q8_0 weights, ``eight_bit`` for Q6_K ones;
 #: 3: the AMX products among the candidates; 4: the AVX512-BF16 ones too; 5: the AVX512-VNNI ones too; 6: the integer
-#: products on AVX2 CPUs too; 7: the integer products with rows as one code, ``vnni8``, instead of two); a file of
-#: another version is timed again
-CHOICE_VERSION = 7
+#: products on AVX2 CPUs too; 7: the integer products with rows as one code, ``vnni8``, instead of two; 8: ``vnni8``
+#: timed where AMX tiles run too); a file of another version is timed again
+CHOICE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -354,14 +356,25 @@ def _build(directory: Path):
     if not any(directory.glob("*.so")):
         log.warning("compiling hierspec's int4 kernel for this CPU (once, one to two minutes) into %s", directory)
     return load(name=f"hierspec_int4_{directory.name.split('-')[-1]}", sources=[str(path) for path in SOURCES],
-                build_directory=str(directory), extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
+                build_directory=str(directory), extra_cflags=list(compile_flags(_cpu_identity())),
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def compile_flags(cpu: str) -> tuple[str, ...]:
+    """The compiler flags for a CPU whose identity (:func:`_cpu_identity`) is ``cpu``: :data:`CFLAGS`, with
+    :data:`STREAM_NTA_FLAG` where the CPU is an AMD one.
+
+    Example: ``compile_flags("model name : AMD EPYC 7B13")[-1]`` is ``"-DHIERSPEC_STREAM_NTA"``.
+    """
+    return CFLAGS + ((STREAM_NTA_FLAG,) if "AMD" in cpu.split("\n")[0] else ())
 
 
 def build_directory() -> Path:
     """Where the compiled extension for these sources, flags, PyTorch and CPU is built (and this machine's timed path
     choices kept): ``<cache>/kernels/int4-<build key>``."""
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
-    return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, _cpu_identity())}"
+    cpu = _cpu_identity()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(compile_flags(cpu)).encode()
+    return user_cache_dir() / "kernels" / f"int4-{build_key(source, torch.__version__, cpu)}"
 
 
 def build_key(source: bytes, torch_version: str, cpu: str) -> str:

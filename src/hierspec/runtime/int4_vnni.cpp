@@ -328,19 +328,25 @@ inline FV widened(const int8_t* values) { return _mm256_cvtepi32_ps(_mm256_cvtep
 // time of their memory and their arithmetic one after the other). Prefetching past a tensor's end is harmless. Forced
 // inline: gcc may otherwise find the helpers free of side effects and drop them.
 //
-// Weights read once (every row in one pass: a decoding step, a small tree) are fetched non-temporally, so that they
-// evict less of what a decoding step keeps using from the outer caches (the KV cache, the activations, the
-// drafter's and the interpreter's data between two forwards). Zen 3, SmolLM2, the decoding loop with the same cost
-// curve on both sides (thirty-seventh session, BENCHMARKS.md): `ar`'s one-row forwards 6 % faster, `hd`'s 3 %
-// (means of three alternations; forwards timed back to back without the loop between them: no difference). Weights
-// that several passes of rows read again keep the default hint: fetched non-temporally, 8- and 16-row forwards
-// took 15-25 % longer.
+// Weights read once (every row in one pass: a decoding step, a small tree) are fetched non-temporally on AMD CPUs
+// (HIERSPEC_STREAM_NTA, int4_kernel.py's compile_flags), so that they evict less of what a decoding step keeps using
+// from the outer caches (the KV cache, the activations, the drafter's and the interpreter's data between two
+// forwards). Zen 3, SmolLM2, the decoding loop with the same cost curve on both sides (thirty-seventh session,
+// BENCHMARKS.md): `ar`'s one-row forwards 6 % faster, `hd`'s 3 %. Weights that several passes of rows read again
+// keep the default hint: fetched non-temporally, 8- and 16-row forwards took 15-25 % longer. On an Intel Xeon
+// (Sapphire Rapids class, under KVM) the non-temporal hint stalled every step instead: one row's products of a
+// Qwen2.5-0.5B layer took 1.6-3x as long as with the default hint (forty-fourth session), so other CPUs take that.
+#ifdef HIERSPEC_STREAM_NTA
+constexpr auto kOnceHint = _MM_HINT_NTA;
+#else
+constexpr auto kOnceHint = _MM_HINT_T0;
+#endif
 constexpr int64_t kPrefetchBytes = 2048;
 
 __attribute__((always_inline)) inline void prefetch_lines(const void* start, int64_t bytes, bool once) {
   const char* ahead = static_cast<const char*>(start);
   for (int64_t line = 0; line < bytes; line += 64) {
-    if (once) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+    if (once) _mm_prefetch(ahead + line, kOnceHint);
     else _mm_prefetch(ahead + line, _MM_HINT_T0);
   }
 }

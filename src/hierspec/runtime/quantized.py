@@ -466,9 +466,8 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
     ``auto``: every one) cannot run here. ``auto`` chooses among :data:`~hierspec.runtime.int4_kernel.KERNELS`
     (its integer products ``vnni8``'s, rows as one 8-bit code an input).
 
-    A kernel's name runs both forms on it. ``auto`` takes the only one that works (leaving out those
-    :data:`~hierspec.runtime.int4_kernel.AUTO_DEFERS` names where their stronger peer runs), or, when several do, the
-    faster
+    A kernel's name runs both forms on it. ``auto`` takes the only one of
+    :data:`~hierspec.runtime.int4_kernel.KERNELS` that works, or, when several do, the faster
     for each form in a short interleaved timing at 1 and 4 rows (:func:`~hierspec.runtime.int4_kernel.choose_kernel`),
     timed once per machine and thread count and kept in a file beside the compiled kernel.
     """
@@ -482,7 +481,6 @@ def resolve_kernel(choice: str = "auto") -> tuple[Int4Kernels | None, str | None
         return (None, reason) if reason else (Int4Kernels(choice, choice), None)
     found = {name: reasons[name]() for name in int4_kernel.KERNELS}
     working = tuple(name for name, reason in found.items() if reason is None)
-    working = tuple(name for name in working if int4_kernel.AUTO_DEFERS.get(name) not in working)
     if not working:
         return None, "; ".join(dict.fromkeys(found.values()))
     if len(working) == 1:
