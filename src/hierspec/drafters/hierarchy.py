@@ -54,6 +54,7 @@ from hierspec.drafters.registry import register
 from hierspec.drafters.retrieval_gate import RetrievalGate
 from hierspec.drafters.scored import (AcceptanceModel, Candidate, ContextCost, ScoredTree, linear_cost,
                                       select_tree)
+from hierspec.drafters.source_gate import SourceGate
 from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
 from hierspec.errors import InputError
 from hierspec.tree import DraftTree, build_tree, is_prefix, root_only
@@ -119,6 +120,10 @@ class HierarchyConfig:
             the root alone. A full batch, where the forward is shared and every request's search is not, then
             decodes as fast as ``ar`` does (26 dev requests at 8: 0.98x ``ar``, 0.92x without); alone ``hd``
             always searches (skipping there lost more accepted drafts than it saved).
+        source_gate: (``tree=scored``, on a measured cost curve) search each database only while the time its
+            accepted tokens save (a target step each) exceeds its search time, else every few steps, backing off up
+            to 32 (:class:`~hierspec.drafters.source_gate.SourceGate`): on SmolLM2 with cheap forwards the ShareGPT
+            statistics store and the draft head cost more than they saved (BENCHMARKS.md, "Forty-fourth session").
         draft: a draft model as one more source: ``auto`` (the default since the forty-third session) the
             command line's ``--draft-model`` when one is given, else none; ``off`` none; ``on`` the command line's
             ``--draft-model`` (an error without one); anything else names the model (``self:K``, an id, a directory
@@ -162,6 +167,7 @@ class HierarchyConfig:
     h_width: int = 3
     h_gate: int = 8
     search_gate: bool = True
+    source_gate: bool = True
     draft: str = "auto"
     defer: bool = True
 
@@ -366,6 +372,11 @@ class HierarchyDrafter(Drafter):
         #: in milliseconds)
         self.search_gate = (RetrievalGate() if self.config.search_gate and self.config.tree == "scored"
                             and self.cost.milliseconds else None)
+        #: which databases a step searches (``source_gate``; ``None`` off, on a fixed tree or without a curve in
+        #: milliseconds), and this step's searches' milliseconds by database
+        self.source_gate = (SourceGate(self.sources) if self.config.source_gate and self.config.tree == "scored"
+                            and self.cost.milliseconds else None)
+        self._source_ms: dict[str, float] = {}
         self._searched: tuple[float, int] | None = None  # this step's search: milliseconds, tree rows
         self._searches = 0  # searches in this generation (its first feeds the prompt to the context's indexes)
 
@@ -408,6 +419,8 @@ class HierarchyDrafter(Drafter):
         report = self.dense.report() if self.dense is not None else {}
         if self.config.tree == "scored":
             report["acceptance_calibration"] = self.acceptance.calibration_counts()
+        if self.source_gate is not None:
+            report["source_gate"] = self.source_gate.report()
         return report
 
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -467,17 +480,32 @@ class HierarchyDrafter(Drafter):
         where it has some (shares of counts), else the sequence's rank. The head is asked only when
         :meth:`_head_due` says so."""
         out = []
+        self._source_ms = {}
         for name, database in self.databases:
+            if self.source_gate is not None and not self.source_gate.due(name):
+                continue
             if database is self.head and not self._head_due():
                 continue
+            started = time.perf_counter()
             scored = getattr(database, "retrieve_scored", None)
             found = scored(context, self.config.candidates) if scored is not None else [
                 (seq, rank) for rank, seq in enumerate(database.retrieve(context, self.config.candidates))]
+            self._source_ms[name] = 1e3 * (time.perf_counter() - started)
             for seq, confidence in found:
                 tokens = tuple(int(t) for t in np.asarray(seq)[: self.config.m])
                 if tokens:
                     out.append(Candidate(tokens, name, confidence))
         return out
+
+    def _account_searches(self, verdict: Verdict) -> None:
+        """Tell the source gate what this step's searches took and what their accepted tokens saved."""
+        if self.source_gate is None or not self._source_ms:
+            return
+        accepted = Counter(verdict.accepted_sources)
+        token_ms = self.cost.at(self._proposed_length)(1)
+        for name, ms in self._source_ms.items():
+            self.source_gate.searched(name, ms, accepted.get(name, 0), token_ms)
+        self._source_ms = {}
 
     def collect(self, context: np.ndarray) -> tuple[list[np.ndarray], list[str]]:
         """Hierarchical access: draft sequences and their source names, at most ``n``, in priority order.
@@ -509,6 +537,7 @@ class HierarchyDrafter(Drafter):
                 self.search_gate.record(*self._searched, len(verdict.path) + 1)
                 self._searched = None
             self.acceptance.learn(self._scored, verdict)
+            self._account_searches(verdict)
             if self._scored.tree.size > 1:
                 self._empty_steps = 0
             if self._exploring:

@@ -1,0 +1,81 @@
+"""Which of `hd`'s databases to search in a step: each one's search time against the time its tokens save.
+
+A database's search costs milliseconds every step, whether or not its candidates make it into the tree and are
+accepted; a token it supplies that the target accepts saves about one target step. Where the target's step is cheap
+(SmolLM2's one-token forward ~5 ms on the integer products), a database searched in ~1.5 ms that supplies an
+accepted token once in twenty steps costs more than it saves (BENCHMARKS.md, "Forty-fourth session": `hd` 1.029x
+`ar` with the ShareGPT statistics store and the draft head, 1.164x without them); on a 1.5B target's 60 ms step the
+same search pays.
+
+:class:`SourceGate` keeps, per database, decayed means of its search time and of the milliseconds its accepted
+tokens saved per search. After ``warmup`` searches, a database whose savings fall below its time is searched only
+every ``interval`` steps (:class:`~hierspec.drafters.exploration.ExplorationBackOff`: the interval doubles, up to
+``most``, after each search that still does not pay, and returns to every step after one that does), so a database
+that starts paying again (a prompt it matches) is found again within ``most`` steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hierspec.drafters.exploration import ExplorationBackOff
+
+#: the weight of the newest search in the decayed means
+DECAY = 0.1
+#: searches of a database before its means decide anything
+WARMUP = 16
+#: the longest interval between two searches of a database that does not pay
+MOST_STEPS_BETWEEN = 32
+
+
+@dataclass
+class _Record:
+    searches: int = 0
+    ms: float = 0.0  # decayed mean search time
+    saved: float = 0.0  # decayed mean milliseconds its accepted tokens saved per search
+    skipped: int = 0  # steps skipped since its last search
+    backoff: ExplorationBackOff = field(default_factory=lambda: ExplorationBackOff(1, most=MOST_STEPS_BETWEEN))
+
+    def pays(self) -> bool:
+        return self.saved >= self.ms
+
+
+class SourceGate:
+    """Per-database search gate (see the module docstring); databases are named as the drafter names its sources."""
+
+    def __init__(self, names: Iterable[str], warmup: int = WARMUP, decay: float = DECAY) -> None:
+        self.warmup = warmup
+        self.decay = decay
+        self._records = {name: _Record() for name in names}
+
+    def due(self, name: str) -> bool:
+        """Whether to search ``name`` this step (a skipped step counts towards its next search)."""
+        record = self._records[name]
+        if record.searches < self.warmup or record.pays():
+            return True
+        record.skipped += 1
+        if record.skipped < record.backoff.interval:
+            return False
+        record.skipped = 0
+        return True
+
+    def searched(self, name: str, ms: float, accepted: int, token_ms: float) -> None:
+        """Account one search of ``name``: it took ``ms``, and ``accepted`` of the tokens it supplied were accepted,
+        each saving ``token_ms`` (the target's one-token step)."""
+        record = self._records[name]
+        saved = accepted * token_ms
+        if record.searches == 0:
+            record.ms, record.saved = ms, saved
+        else:
+            record.ms += self.decay * (ms - record.ms)
+            record.saved += self.decay * (saved - record.saved)
+        record.searches += 1
+        if record.searches >= self.warmup:
+            record.backoff.record(found=record.pays())
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Each database's searches, mean search and saved milliseconds, and current interval."""
+        return {name: {"searches": r.searches, "ms": round(r.ms, 4), "saved_ms": round(r.saved, 4),
+                       "interval": r.backoff.interval if r.searches >= self.warmup and not r.pays() else 1}
+                for name, r in self._records.items()}
