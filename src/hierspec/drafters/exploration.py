@@ -21,9 +21,18 @@ class ExplorationBackOff:
     every: int
     most: int = MOST_STEPS_BETWEEN
     interval: int = field(init=False)
+    waited: int = field(default=0, init=False)  # steps counted by :meth:`tick` since the last try
 
     def __post_init__(self) -> None:
         self.interval = self.every
+
+    def tick(self) -> bool:
+        """Count one more step without a try: ``True`` (and the count restarts) when the next try is due."""
+        self.waited += 1
+        if self.waited < self.interval:
+            return False
+        self.waited = 0
+        return True
 
     def record(self, found: bool) -> None:
         """After an exploration: back to ``every`` if it was accepted, else twice the interval (at most ``most``)."""

@@ -361,11 +361,9 @@ class HierarchyDrafter(Drafter):
         self.acceptance = AcceptanceModel([name for name, _ in self.databases])
         self._scored: ScoredTree | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
-        self._empty_steps = 0  # steps in a row whose scored tree was empty though candidates existed
         self._backoff = ExplorationBackOff(self.config.explore_every) if self.config.explore_every else None
         self._exploring = False
         self._head_gate = ExplorationBackOff(1, most=self.config.h_gate)
-        self._head_skipped = 0  # steps since the head was last asked
         self._head_asked = False
         self._others_draft_ms = 0.0  # what the other generations in the same forward spent drafting
         #: whether a batched step searches at all (``search_gate``; ``None`` off, on a fixed tree or without a curve
@@ -458,10 +456,8 @@ class HierarchyDrafter(Drafter):
         """Whether to ask the head this step (``h_gate``'s back-off; ``tree=fixed`` asks every step)."""
         if self.config.tree != "scored":
             return True
-        self._head_skipped += 1
-        if self._head_skipped < self._head_gate.interval:
+        if not self._head_gate.tick():
             return False
-        self._head_skipped = 0
         self._head_asked = True
         return True
 
@@ -469,11 +465,7 @@ class HierarchyDrafter(Drafter):
         """Count one more empty step; True (and the count restarts) when an exploration is due."""
         if self._backoff is None:
             return False
-        self._empty_steps += 1
-        if self._empty_steps < self._backoff.interval:
-            return False
-        self._empty_steps = 0
-        return True
+        return self._backoff.tick()
 
     def candidates(self, context: np.ndarray) -> list[Candidate]:
         """Up to ``candidates`` sequences from every database, with confidence bins: each database's own evidence
@@ -538,8 +530,8 @@ class HierarchyDrafter(Drafter):
                 self._searched = None
             self.acceptance.learn(self._scored, verdict)
             self._account_searches(verdict)
-            if self._scored.tree.size > 1:
-                self._empty_steps = 0
+            if self._scored.tree.size > 1 and self._backoff is not None:
+                self._backoff.waited = 0  # the empty steps in a row start again
             if self._exploring:
                 self._exploring = False
                 self._backoff.record(found=bool(verdict.path))

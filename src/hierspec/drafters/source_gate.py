@@ -34,7 +34,6 @@ class _Record:
     searches: int = 0
     ms: float = 0.0  # decayed mean search time
     saved: float = 0.0  # decayed mean milliseconds its accepted tokens saved per search
-    skipped: int = 0  # steps skipped since its last search
     backoff: ExplorationBackOff = field(default_factory=lambda: ExplorationBackOff(1, most=MOST_STEPS_BETWEEN))
 
     def pays(self) -> bool:
@@ -52,13 +51,7 @@ class SourceGate:
     def due(self, name: str) -> bool:
         """Whether to search ``name`` this step (a skipped step counts towards its next search)."""
         record = self._records[name]
-        if record.searches < self.warmup or record.pays():
-            return True
-        record.skipped += 1
-        if record.skipped < record.backoff.interval:
-            return False
-        record.skipped = 0
-        return True
+        return record.searches < self.warmup or record.pays() or record.backoff.tick()
 
     def searched(self, name: str, ms: float, accepted: int, token_ms: float) -> None:
         """Account one search of ``name``: it took ``ms``, and ``accepted`` of the tokens it supplied were accepted,
