@@ -34,6 +34,10 @@ class ExplorationBackOff:
         self.waited = 0
         return True
 
+    def restart(self) -> None:
+        """Count the steps towards the next try from zero again (a step that made a try unnecessary)."""
+        self.waited = 0
+
     def record(self, found: bool) -> None:
         """After an exploration: back to ``every`` if it was accepted, else twice the interval (at most ``most``)."""
         self.interval = self.every if found else min(2 * self.interval, self.most)

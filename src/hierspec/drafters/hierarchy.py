@@ -531,7 +531,7 @@ class HierarchyDrafter(Drafter):
             self.acceptance.learn(self._scored, verdict)
             self._account_searches(verdict)
             if self._scored.tree.size > 1 and self._backoff is not None:
-                self._backoff.waited = 0  # the empty steps in a row start again
+                self._backoff.restart()  # the empty steps in a row start again
             if self._exploring:
                 self._exploring = False
                 self._backoff.record(found=bool(verdict.path))

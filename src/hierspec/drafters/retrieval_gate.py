@@ -58,7 +58,6 @@ class RetrievalGate:
     rows: float = field(default=1.0, init=False)
     tokens: float = field(default=1.0, init=False)
     searched: int = field(default=0, init=False)  # steps that searched and were verified (means valid from 1)
-    skipped: int = field(default=0, init=False)  # steps in a row that skipped the search
     _looked: bool = field(default=False, init=False)  # the last search was a look after skipped steps
     _backoff: ExplorationBackOff = field(init=False)
     _recent: deque = field(init=False)
@@ -89,12 +88,11 @@ class RetrievalGate:
             self._backoff.record(found=worth)
             self._looked = False
         if worth:
-            self.skipped = 0
+            self._backoff.restart()
             return True
-        self.skipped += 1
-        if self.skipped < self._backoff.interval:
+        if not self._backoff.tick():
             return False
-        self.skipped, self._looked = 0, True
+        self._looked = True
         return True
 
     def _worth(self, cost: Callable[[int], float], rows: int, tokens: float, draft_ms: float) -> bool:
