@@ -25,6 +25,7 @@ import hierspec
 from hierspec.batching import BatchConfig, BatchScheduler
 from hierspec.bench.questions import load_questions, select_questions
 from hierspec.config import GenerationConfig, ModelConfig
+from hierspec.gc_pauses import freeze_long_lived
 from hierspec.machine import cpu_info, gpu_name
 from hierspec.methods import DrafterContext, make_drafter
 
@@ -74,6 +75,7 @@ def main() -> None:
     questions = select_questions(load_questions(args.questions), args.per_category, args.limit)
     prompts = [model.encode_prompt(q.turns[0], raw=q.raw) for q in questions]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    freeze_long_lived()  # no full collection walks the loaded model mid-step (gc_pauses.py)
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
     rows = []

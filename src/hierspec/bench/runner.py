@@ -23,6 +23,7 @@ from hierspec.bench.report import write_answers, write_report
 from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
+from hierspec.gc_pauses import freeze_long_lived, thaw
 from hierspec.bench.peers import LLAMACPP_METHODS, LlamaCppRunner, gguf_file
 from hierspec.machine import cpu_info, gpu_name
 from hierspec.methods import DrafterContext, MethodSpec, make_drafter
@@ -224,14 +225,11 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
 
     _warm_up(runners, model.encode_prompt(WARM_UP_PROMPT), config.warmup)
     seeds = (None,) if sampling.greedy else config.sampling_seeds
-    by_seed = {seed: {r.label: MethodRecord(r.label) for r in runners} for seed in seeds}
-    for index, question in enumerate(tqdm(questions, desc="questions", unit="q")):
-        # Rotate the order so that no method always runs first after a cold question start.
-        shift = index % len(runners)
-        for seed in seeds:
-            for runner in runners[shift:] + runners[:shift]:
-                by_seed[seed][runner.label].add(
-                    question, run_turns(runner, model, question, config.first_turn_only, seed))
+    freeze_long_lived()  # the model, stores and drafters, opened by the warm-up (gc_pauses.py)
+    try:
+        by_seed = _run_questions(runners, model, questions, seeds, config.first_turn_only)
+    finally:
+        thaw()
     records = _pool(by_seed)
 
     divergences = _explain_divergences(model, questions, records) if sampling.greedy else []
@@ -251,6 +249,19 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     write_plots(out_dir, summary, records)
     write_report(out_dir / "report.md", summary)
     return summary
+
+
+def _run_questions(runners: list, model: TargetModel, questions: list[Question], seeds: tuple,
+                   first_turn_only: bool) -> dict[int | None, dict[str, MethodRecord]]:
+    """Every question through every runner (each seed), the methods interleaved per question."""
+    by_seed = {seed: {r.label: MethodRecord(r.label) for r in runners} for seed in seeds}
+    for index, question in enumerate(tqdm(questions, desc="questions", unit="q")):
+        # Rotate the order so that no method always runs first after a cold question start.
+        shift = index % len(runners)
+        for seed in seeds:
+            for runner in runners[shift:] + runners[:shift]:
+                by_seed[seed][runner.label].add(question, run_turns(runner, model, question, first_turn_only, seed))
+    return by_seed
 
 
 def _pool(by_seed: dict) -> dict[str, MethodRecord]:

@@ -42,8 +42,11 @@ def serve(target: TargetModel, drafter: Drafter | Callable[[], Drafter], config:
     """Run the server until interrupted."""
     import uvicorn
 
+    from hierspec.gc_pauses import freeze_long_lived
+
     app, engine = build_app(target, drafter, config)
     described = engine.drafter.describe()
+    freeze_long_lived()  # with the stores the drafter opened (gc_pauses.py)
     extras = ", ".join(f"{k}: {v}" for k, v in described.items() if k not in {"name", "config"})
     print(f"hierspec: serving {config.model_name!r} with method {described.get('name')}"
           f"{f' ({extras})' if extras else ''}; up to {engine.scheduler.max_batch} requests batched; "

@@ -1,0 +1,66 @@
+"""Full garbage collections kept out of decoding: what loading leaves is frozen, and given back when a command ends."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _thawed():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a reference cycle: only the cyclic collector frees it
+
+
+def test_freezing_exempts_what_exists_from_collections_until_thawed():
+    from hierspec.gc_pauses import freeze_long_lived, thaw
+
+    node = _Node()
+    alive = weakref.ref(node)
+    frozen = freeze_long_lived()
+    assert frozen == gc.get_freeze_count() > 0
+    del node
+    gc.collect()
+    assert alive() is not None  # frozen: a full collection does not walk it
+    thaw()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None  # given back: collected again
+
+
+def test_freezing_collects_first():
+    from hierspec.gc_pauses import freeze_long_lived
+
+    node = _Node()
+    alive = weakref.ref(node)
+    del node
+    freeze_long_lived()
+    assert alive() is None  # garbage at freezing time is not kept forever
+
+
+def test_a_command_freezes_after_loading_and_thaws_when_it_returns(tmp_path, monkeypatch, capsys):
+    from hierspec import gc_pauses
+    from hierspec.cli import main
+    from tiny import save_model_dir
+
+    model = save_model_dir(tmp_path / "tiny", vocab_size=64, seed=5, max_positions=64)
+    real, counts = gc_pauses.freeze_long_lived, []
+
+    def freeze() -> int:
+        counts.append(real())
+        return counts[-1]
+
+    monkeypatch.setattr(gc_pauses, "freeze_long_lived", freeze)
+    code = main(["calibrate", "--model", str(model), "--max-tokens", "2", "--context", "8", "--repeats", "1",
+                 "--out", str(tmp_path / "curve.json")])
+    assert code == 0, capsys.readouterr().err
+    assert len(counts) == 1 and counts[0] > 0  # frozen once, after the model loaded
+    assert gc.get_freeze_count() == 0  # and thawed when the command returned
