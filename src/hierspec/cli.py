@@ -244,12 +244,9 @@ def _model_config(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    from hierspec.gc_pauses import freeze_long_lived
     from hierspec.target import load_model
 
-    model = load_model(config=_model_config(args))
-    freeze_long_lived()  # the loaded model's objects are never walked by a full collection (gc_pauses.py)
-    return model
+    return load_model(config=_model_config(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -505,10 +502,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hierspec: interrupted", file=sys.stderr)
         return 130
-    finally:
-        from hierspec.gc_pauses import thaw
-
-        thaw()  # what _load froze is collectable again for an in-process caller
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def serve(target: TargetModel, drafter: Drafter | Callable[[], Drafter], config:
     """Run the server until interrupted."""
     import uvicorn
 
-    from hierspec.gc_pauses import freeze_long_lived
+    from hierspec.gc_pauses import freeze_long_lived, thaw
 
     app, engine = build_app(target, drafter, config)
     described = engine.drafter.describe()
@@ -55,3 +55,4 @@ def serve(target: TargetModel, drafter: Drafter | Callable[[], Drafter], config:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         engine.close()
+        thaw()
