@@ -9,7 +9,8 @@ import torch
 from hierspec.config import GenerationConfig
 from hierspec.datastore.dense import TokenDocument
 from hierspec.datastore.draft_head import (HeadBuildConfig, HeadStore, build_head_store, frequent_tokens,
-                                           probability_bin, top_probabilities, train_head,
+                                           probability_bin, shortlist_distribution, top_probabilities,
+                                           train_head,
                                            training_pairs)
 from hierspec.datastore.format import DatastoreError
 from hierspec.datastore.successors import SuccessorTable
@@ -94,12 +95,41 @@ def test_training_learns_a_function_of_the_hidden_state_and_the_root():
     labels[1:] = (values[:-1] + 8 * np.argmax(hidden[:-1, :4], axis=1)) % vocab
     embeddings = torch.from_numpy(rng.normal(size=(vocab, dim)).astype(np.float32))
     outputs = torch.from_numpy(rng.normal(size=(vocab, dim)).astype(np.float32))
-    config = HeadBuildConfig(shortlist=vocab, width=128, epochs=12, batch=64, lr=3e-3, held_out=0.1)
+    config = HeadBuildConfig(shortlist=vocab, width=128, epochs=12, batch=64, lr=3e-3, held_out=0.1, distill=False)
     head, shortlist, accuracy = train_head(hidden, values, labels, np.arange(rows - 1), embeddings, outputs, config)
     baseline = np.bincount(labels[1:]).max() / (rows - 1)
     assert sorted(shortlist.tolist()) == list(range(vocab))
     assert baseline < 0.1 and accuracy["top1"] >= 0.6 and accuracy["top4"] >= accuracy["top1"]
     assert sum(b["share"] for b in accuracy["by_confidence"]) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_shortlist_distribution_is_the_softmax_over_the_shortlist_rows():
+    rows = torch.tensor([[0.0, 1.0], [np.log(3.0), 0.0]])
+    got = shortlist_distribution(torch.tensor([[1.0, 0.0], [0.0, np.log(2.0)]]), rows)
+    torch.testing.assert_close(got, torch.tensor([[0.25, 0.75], [2 / 3, 1 / 3]], dtype=got.dtype))
+
+
+def test_distillation_learns_the_targets_next_distribution():
+    """A sequence whose next hidden state is the output row of a token fixed by the current state and token (with
+    noise): the target's prediction there (the argmax of that state's logits, as a build labels it) is learnt from
+    the next states' distributions alone; the top-1 labels only select the shortlist and score the held-out pairs."""
+    rng = np.random.default_rng(1)
+    rows, dim, vocab = 6000, 16, 32
+    outputs = torch.from_numpy(rng.normal(size=(vocab, dim)).astype(np.float32))
+    embeddings = torch.from_numpy(rng.normal(size=(vocab, dim)).astype(np.float32))
+    values = rng.integers(0, vocab, size=rows).astype(np.int32)
+    states = np.zeros((rows, dim), dtype=np.float32)
+    states[0] = rng.normal(size=dim)
+    for r in range(rows - 1):
+        token = (values[r] + 8 * int(np.argmax(states[r, :4]))) % vocab
+        states[r + 1] = outputs[token].numpy() + 0.3 * rng.normal(size=dim)
+    hidden = states.astype(np.float16)
+    labels = (torch.from_numpy(hidden.astype(np.float32)) @ outputs.T).argmax(-1).numpy()
+    config = HeadBuildConfig(shortlist=vocab, width=128, epochs=12, batch=64, lr=3e-3, held_out=0.1)
+    assert config.distill
+    _, _, accuracy = train_head(hidden, values, labels, np.arange(rows - 1), embeddings, outputs, config)
+    baseline = np.bincount(labels[1:]).max() / (rows - 1)
+    assert baseline < 0.15 and accuracy["top1"] >= 0.6
 
 
 def test_built_store_reports_its_accuracy_and_guesses_from_its_shortlist(target, store):

@@ -188,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     head.add_argument("--shortlist", type=int, default=4096, help="tokens the head can predict (default 4096)")
     head.add_argument("--head-width", type=int, default=576, help="hidden units of the head (default 576)")
     head.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
+    head.add_argument("--head-labels", default="distribution", choices=["distribution", "top1"],
+                      help="what the head learns at each position: the target's next-token distribution over the "
+                           "shortlist (default) or its top-1 token alone")
     _add_model_options(build)
     show = store_sub.add_parser("info", help="print a datastore's header and sizes")
     show.add_argument("directory")
@@ -436,6 +439,7 @@ def cmd_datastore(args: argparse.Namespace) -> int:
         dense=DenseBuildConfig(pca_dim=args.pca_dim, next_tokens=args.next_tokens, index=args.index,
                                window=args.window, max_keys=args.max_keys, sample=args.sample),
         head=HeadBuildConfig(shortlist=args.shortlist, width=args.head_width, epochs=args.epochs, window=args.window,
+                             distill=args.head_labels == "distribution",
                              **({} if args.max_keys is None else {"max_keys": args.max_keys})),
     )
     result = store_build.build(request)
