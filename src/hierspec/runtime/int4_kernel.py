@@ -384,8 +384,10 @@ def build_key(source: bytes, torch_version: str, cpu: str) -> str:
     return digest.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_identity() -> str:
-    """The CPU's model name and its whole flag list (``-march=native`` uses every flag), from ``/proc/cpuinfo``."""
+    """The CPU's model name and its whole flag list (``-march=native`` uses every flag), from ``/proc/cpuinfo``
+    (read once a process: the build directory and the compile flags both ask)."""
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
