@@ -231,11 +231,6 @@ def test_dense_store_from_a_model_store_and_dense_methods_match_ar(capsys, model
     info = json.loads(printed)
     assert info["kind"] == "dense" and info["pca_dim"] == 8 and info["next_tokens"] == 5 and info["keys"] > 0
     assert info["model"]["fingerprint"] and info["sources"][0].endswith("model-store")
-    assert info["build"]["distill"] is True  # taught the target's distribution by default
-    code, _, _ = _run(capsys, "datastore", "build", "--kind", "head", "--model", model_dir, "--input",
-                      model_store_dir, "--out", str(tmp_path / "top1"), "--shortlist", "16", "--head-width", "8",
-                      "--epochs", "1", "--head-labels", "top1")
-    assert code == 0 and json.loads((tmp_path / "top1" / "header.json").read_text())["build"]["distill"] is False
     code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", "ar",
                             "--max-new-tokens", "10", "--json")
     reference = json.loads(printed)["token_ids"]
@@ -300,6 +295,11 @@ def test_draft_head_from_a_model_store_and_hd_with_it_matches_ar(capsys, model_d
     info = json.loads(printed)
     assert info["kind"] == "head" and info["arrays"]["shortlist"]["shape"][0] <= 16 and info["verified"]["ok"]
     assert info["model"]["fingerprint"] and info["sources"][0].endswith("model-store")
+    assert info["build"]["distill"] is True  # taught the target's distribution by default
+    code, _, _ = _run(capsys, "datastore", "build", "--kind", "head", "--model", model_dir, "--input",
+                      model_store_dir, "--out", str(tmp_path / "top1"), "--shortlist", "16", "--head-width", "8",
+                      "--epochs", "1", "--head-labels", "top1")
+    assert code == 0 and json.loads((tmp_path / "top1" / "header.json").read_text())["build"]["distill"] is False
     code, printed, _ = _run(capsys, "generate", "w2 w3 w4", "--model", model_dir, "--raw", "--method", "ar",
                             "--max-new-tokens", "10", "--json")
     reference = json.loads(printed)["token_ids"]
