@@ -323,8 +323,8 @@ def test_decoding_products_rows_are_bit_identical_across_every_way_of_splitting_
     """AMX: one column tile (up to 16 rows), two at once (17-32), a prompt's decoded block (33 on, in pairs and a
     last single tile); AVX512-BF16: one pass decoding as it goes (up to 8 rows), several passes over the decoded
     steps (9 on, the last pass of 1 to 8 rows); AVX512-VNNI: passes of up to 12 rows; AVX2: passes of up to 8 rows
-    (8-bit codes, and 4-bit ones of one or two rows), else tiles of 3 to 6 rows (one of 3-6, more of 3 or 4). The
-    rows' products never change."""
+    (8-bit codes, and 4-bit ones of one row), else tiles of 2 to 6 rows (one of 2-6, more of 3 or 4). The rows'
+    products never change."""
     pack4, pack8, *_ = kernel
     generator = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (32, 96), generator=generator, dtype=torch.uint8)

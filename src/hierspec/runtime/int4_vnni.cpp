@@ -480,7 +480,7 @@ struct FourBit {
   // threads and interleaved in one process with the row-by-row order, 6-12 % at 16 rows, 0-11 % at 4 and 8, one row
   // unchanged within the noise. AVX-512 keeps the row-by-row order it was measured in (12 rows' sums would not fit
   // its registers beside the accumulators). Since the thirty-eighth session, rows as one code go through this pass
-  // for one and two rows only (block_rows_quads takes 3 or more); rows as two codes, at any count.
+  // for one row only (block_rows_quads takes 2 or more); rows as two codes, at any count.
   static constexpr bool kSumsFirst = HIERSPEC_VNNI == 256;
   template <bool Two>
   static Sums sums(const Quads& q, const int8_t* codes, const RowStep&) {
@@ -680,12 +680,15 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
       store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
 }
 
-// Rows of a 4-bit product (one code a row) taken by block_rows_quads: from kQuadsFrom rows on (one and two rows measured
-// the same either way, and one row's path is the one tuned for decoding). Up to kOneQuadTile rows make one tile; more,
-// tiles of 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one row; tiles of 4
-// measured faster than of 6 from 7 rows on, of 6 faster at 5 and 6).
-constexpr int64_t kQuadsFrom = 3, kOneQuadTile = 6, kQuadTile = 4;
-static_assert(kQuadsFrom == 3 && kQuadTile == 4, "every tile then holds 3 to 6 rows (the instances below)");
+// Rows of a 4-bit product (one code a row) taken by block_rows_quads: from kQuadsFrom rows on (one row measured the
+// same either way, and its path is the one tuned for decoding). Up to kOneQuadTile rows make one tile; more, tiles of
+// 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one row; tiles of 4 measured faster
+// than of 6 from 7 rows on, of 6 faster at 5 and 6). Two rows were left to block_rows until the forty-seventh session
+// measured them on a Zen 3 with weights in cache (one layer's products, alternating in one process: 16-22 % faster
+// on one thread, 8-17 % on two) and in SmolLM2's whole two-token forward (7 % faster, 21 of 24 rounds; one and three
+// tokens unchanged).
+constexpr int64_t kQuadsFrom = 2, kOneQuadTile = 6, kQuadTile = 4;
+static_assert(kQuadsFrom == 2 && kQuadTile == 4, "every tile then holds 2 to 6 rows (the instances below)");
 
 template <class Source>
 void block_rows_in_quads(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block,
@@ -698,7 +701,8 @@ void block_rows_in_quads(const Codes& w, const Source& source, const Rows& x, in
       case 6: block_rows_quads<6>(w, source, x, block, r0, once, out); break;
       case 5: block_rows_quads<5>(w, source, x, block, r0, once, out); break;
       case 4: block_rows_quads<4>(w, source, x, block, r0, once, out); break;
-      default: block_rows_quads<3>(w, source, x, block, r0, once, out); break;
+      case 3: block_rows_quads<3>(w, source, x, block, r0, once, out); break;
+      default: block_rows_quads<2>(w, source, x, block, r0, once, out); break;
     }
     r0 += count;
   }
