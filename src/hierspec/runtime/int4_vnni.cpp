@@ -684,8 +684,8 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
 // same either way, and its path is the one tuned for decoding). Up to kOneQuadTile rows make one tile; more, tiles of
 // 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one row; tiles of 4 measured faster
 // than of 6 from 7 rows on, of 6 faster at 5 and 6). Two rows were left to block_rows until the forty-seventh session
-// measured them on a Zen 3 with weights in cache (one layer's products, alternating in one process: 16-22 % faster
-// on one thread, 8-17 % on two) and in SmolLM2's whole two-token forward (7 % faster, 21 of 24 rounds; one and three
+// measured them on a Zen 3 with weights in cache (one layer's products, alternating in one process: 17-22 % faster
+// on one thread, 8-18 % on two) and in SmolLM2's whole two-token forward (7 % faster, 21 of 24 rounds; one and three
 // tokens unchanged).
 constexpr int64_t kQuadsFrom = 2, kOneQuadTile = 6, kQuadTile = 4;
 static_assert(kQuadsFrom == 2 && kQuadTile == 4, "every tile then holds 2 to 6 rows (the instances below)");
