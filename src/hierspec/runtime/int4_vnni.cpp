@@ -625,7 +625,7 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
 }
 
 #if HIERSPEC_VNNI == 256
-// AVX2, 4-bit codes, rows as one code, 3 rows or more: a tile of MT rows whose int16 sums of both parts stay in
+// AVX2, 4-bit codes, rows as one code, 2 rows or more: a tile of MT rows whose int16 sums of both parts stay in
 // registers (2 MT + the quad's two parts + a row's broadcast of AVX2's 16) while the step's quads go by one at a
 // time, each row's quad broadcast once for both parts. block_rows keeps a part's 8 quads in registers instead and
 // broadcasts every row's quad once a part; with 8 rows its sums and accumulators did not fit in the registers either.
