@@ -5,6 +5,7 @@ import dataclasses
 import functools
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -247,6 +248,68 @@ def test_avx512_vnni_products_with_factored_scales_equal_those_with_the_scales_s
         got = k.int4_mm(MODULE, rows[:count].contiguous(), factored)
         assert torch.equal(got, k.int4_mm(MODULE, rows[:count].contiguous(), whole)), count
         assert got.abs().max() > 0
+
+
+needs_six_bit = pytest.mark.skipif(not k.six_bit_products(MODULE), reason="the 6-bit form is the AVX2 build's")
+
+
+def test_the_six_bit_form_holds_low_nibbles_as_the_four_bit_form_and_high_bits_in_two_chunks():
+    """Codes within -32..31 as u = code + 32: chunks 0..3 the 4-bit layout's bytes of u's low nibbles (quad c low,
+    c + 4 high), chunk 4 + p the high 2 bits of quads p, p + 2, p + 4, p + 6 at bits 0, 2, 4, 6."""
+    signed = ((torch.arange(16 * 64).reshape(16, 64) * 7) % 64 - 32).to(torch.int8)
+    six = k.pack_vnni_int8(signed, torch.ones(16, 4), six_bit=True)
+    assert six.codes.shape == (1, 1, 2, 6, 16, 4) and six.codes.dtype == torch.uint8
+    u = signed.to(torch.int16) + 32  # [16, 64]; output 9, step 1: inputs 32..63
+    step = u[9, 32:64]
+    quad = [step[4 * c:4 * c + 4] for c in range(8)]
+    assert six.codes[0, 0, 1, 2, 9].tolist() == (quad[2] % 16 | (quad[6] % 16) << 4).tolist()
+    expected_high = [sum(((quad[p + 2 * j] >> 4) << 2 * j) for j in range(4)) for p in (0, 1)]
+    assert [six.codes[0, 0, 1, 4 + p, 9].tolist() for p in (0, 1)] == [h.tolist() for h in expected_high]
+    assert not k.six_bit_quads(torch.full((1, 1, 1, 8, 16, 4), -32, dtype=torch.int8)).any()
+    assert (k.six_bit_quads(torch.full((1, 1, 1, 8, 16, 4), 31, dtype=torch.int8)) == 0xFF).all()
+    for outside in (-33, 32):
+        with pytest.raises(ValueError, match="-32..31"):
+            k.pack_vnni_int8(torch.full((16, 32), outside, dtype=torch.int8), torch.ones(16, 2), six_bit=True)
+
+
+@needs_vnni
+@needs_six_bit
+@pytest.mark.parametrize("one_code", [False, True], ids=["vnni", "vnni8"])
+def test_six_bit_products_equal_the_same_codes_in_eight_bits_for_every_row_count(one_code):
+    """A Q6_K weight's codes (-32..31) in the 6-bit form give the 8-bit form's products bit for bit — factored scales
+    and scales stored whole (float32 and float16), 1 to 20 rows (every pass shape), the codes' extremes included."""
+    generator = torch.Generator().manual_seed(21)
+    factors, scales, _ = k.random_factors(generator, 48, 512, eight=True)
+    signed = torch.randint(-32, 32, (48, 512), generator=generator, dtype=torch.int8)
+    signed[0, :40], signed[1, :40] = -32, 31
+    rows = torch.randn(20, 512, generator=generator) * torch.logspace(-2, 2, 512)
+    halves = scales.half().float()
+    for pack_args in ((scales, factors), (scales, None), (halves, None)):
+        six = k.pack_vnni_int8(signed, *pack_args, one_code=one_code, six_bit=True)
+        eight = k.pack_vnni_int8(signed, *pack_args, one_code=one_code)
+        assert six.codes.numel() * 4 == eight.codes.numel() * 3
+        whole = k.int4_mm(MODULE, rows, eight)
+        assert whole.abs().max() > 0
+        for count in range(1, 21):
+            assert torch.equal(k.int4_mm(MODULE, rows[:count].contiguous(), six), whole[:count]), count
+
+
+@needs_vnni
+@needs_six_bit
+def test_a_q6_k_stack_is_packed_in_six_bits_where_the_kernel_takes_them():
+    """``Int4Projection`` packs a Q6_K member (four passes with scale factors) in the 6-bit form on the AVX2 build,
+    and its products equal the 8-bit form's."""
+    rng = np.random.default_rng(22)
+    raw = rng.integers(0, 256, size=(32, 2, 210), dtype=np.uint8)  # Q6_K blocks: 2 super-blocks a row
+    raw[..., 208:210] = rng.uniform(2e-4, 8e-4, (32, 2, 1)).astype(np.float16).view(np.uint8)
+    passes = q.decode_blocks("Q6_K", raw.reshape(32, -1), 32, 512)
+    projection = q.Int4Projection([passes], [None], kernel="vnni8")
+    (stack,) = projection.stacks
+    assert stack.codes.shape[3] == 6 and stack.codes.dtype == torch.uint8
+    rows = torch.randn(3, 512, generator=torch.Generator().manual_seed(22))
+    codes, scales = q.as_int8(passes)
+    eight = k.pack_vnni_int8(codes, scales, passes[0].factors, one_code=True)
+    assert torch.equal(projection(rows)[0], k.int4_mm(MODULE, rows, eight))
 
 
 @needs_vnni

@@ -282,17 +282,51 @@ def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zer
                       _per_block(factors.offset_steps, torch.uint8), units, one_code)
 
 
-def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None, one_code: bool = False) -> PackedVnni:
+def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None, one_code: bool = False,
+                   six_bit: bool = False) -> PackedVnni:
     """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs, as ``factors`` give
     them (a ``Q6_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given; ``one_code``: for rows
-    as one 8-bit code an input."""
+    as one 8-bit code an input; ``six_bit``: codes within -32..31 (``Q6_K``'s) in the AVX2 build's 6-bit form
+    (:func:`six_bit_quads`; the same products, three quarters of the bytes).
+
+    Raises:
+        ValueError: ``six_bit`` with a code outside -32..31.
+    """
     rows, cols = codes.shape
     quads = codes.reshape(rows // 16, 16, cols // GROUP, 8, 4).permute(0, 2, 3, 1, 4).unsqueeze(0).contiguous()
+    if six_bit:
+        quads = six_bit_quads(quads)
     if factors is not None:
         return PackedVnni(quads, _per_block(factors.steps, torch.int8).unsqueeze(0), torch.empty(0),
                           _per_block(factors.units).unsqueeze(0).contiguous(), one_code)
     (scale,) = _stored(_per_block(scales).unsqueeze(0).contiguous())
     return PackedVnni(quads, scale, torch.empty(0), one_code=one_code)
+
+
+def six_bit_quads(quads: torch.Tensor) -> torch.Tensor:
+    """Signed codes within -32..31 in the 8-bit quads ``[1, out / 16, in / 32, 8, 16, 4]`` as the 6-bit form's
+    ``[1, out / 16, in / 32, 6, 16, 4]`` (uint8) of ``u = code + 32``: chunk ``c`` (0..3) holds quad ``c``'s low 4
+    bits of ``u`` in its low nibble and quad ``c + 4``'s in its high one (the 4-bit form's layout), chunk ``4 + p``
+    (``p`` 0 or 1) the high 2 bits of quads ``p``, ``p + 2``, ``p + 4``, ``p + 6`` at bits 0, 2, 4 and 6.
+
+    Example: a code of -32 everywhere (``u = 0``) packs to zeros; a code of 31 (``u = 63``) to ``0xff`` everywhere.
+
+    Raises:
+        ValueError: a code outside -32..31.
+    """
+    if quads.numel() and (int(quads.min()) < -32 or int(quads.max()) > 31):
+        raise ValueError("6-bit codes must lie within -32..31 (a Q6_K weight's)")
+    unsigned = (quads.to(torch.int16) + 32).to(torch.uint8)
+    low, high = unsigned & 15, unsigned >> 4
+    nibbles = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
+    tops = [high[:, :, :, p] | (high[:, :, :, p + 2] << 2) | (high[:, :, :, p + 4] << 4) | (high[:, :, :, p + 6] << 6)
+            for p in (0, 1)]
+    return torch.cat((nibbles, torch.stack(tops, dim=3)), dim=3).contiguous()
+
+
+def six_bit_products(kernel) -> bool:
+    """Whether ``kernel`` (the compiled module) multiplies the 6-bit form: its AVX2 integer products do."""
+    return kernel is not None and kernel.vnni_width() == 256
 
 
 def vnni_rounded(rows: torch.Tensor, one_code: bool = False) -> torch.Tensor:
@@ -520,16 +554,21 @@ def _check_vnni_factors(module, one_code: bool = False) -> str | None:
     signed = torch.randint(-128, 128, (32, 512), generator=generator, dtype=torch.int8)
     four, scales, zeros = random_factors(generator, 32, 512, eight=False)
     eight, signed_scales, _ = random_factors(generator, 32, 512, eight=True)
-    pairs = ((pack_vnni([codes], [scales], [zeros], four, one_code), pack_vnni([codes], [scales], [zeros],
+    pairs = [(pack_vnni([codes], [scales], [zeros], four, one_code), pack_vnni([codes], [scales], [zeros],
                                                                              one_code=one_code)),
              (pack_vnni_int8(signed, signed_scales, eight, one_code),
-              pack_vnni_int8(signed, signed_scales, one_code=one_code)))
+              pack_vnni_int8(signed, signed_scales, one_code=one_code))]
+    if six_bit_products(module):  # Q6_K's codes in the 6-bit form against the same codes in the 8-bit one
+        six = signed.div(4, rounding_mode="floor")
+        pairs.append((pack_vnni_int8(six, signed_scales, eight, one_code, six_bit=True),
+                      pack_vnni_int8(six, signed_scales, eight, one_code)))
     try:
         same = all(torch.equal(int4_mm(module, rows, factored), int4_mm(module, rows, whole))
                    for factored, whole in pairs)
     except RuntimeError as exc:
         return f"the integer (VNNI) products with factored scales fail ({_first_line(exc)})"
-    return None if same else "the integer (VNNI) products with factored scales differ from the same scales stored whole"
+    return None if same else ("the integer (VNNI) products with factored scales differ from the same scales stored "
+                              "whole, or 6-bit codes from the same codes in 8 bits")
 
 
 def _check_decoding_products(module, pack4: Callable, pack8: Callable, rounded_rows: Callable,

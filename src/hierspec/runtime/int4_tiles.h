@@ -30,7 +30,8 @@ constexpr int64_t kDecoded = kBlock * kStep;  // bfloat16 weights of a decoded s
 // A product's operands in the tile layout, as its checks found them
 struct TileShape {
   int64_t blocks, steps, groups;
-  bool eight, half;  // 8-bit codes; float16 scales and biases
+  bool eight, half;   // 8-bit codes (or 6-bit ones, scaled as 8-bit codes are); float16 scales and biases
+  bool six = false;  // 6-bit codes (the integer products' quads only: int4_vnni.cpp)
 };
 
 // How a product's codes are laid out (each file's header has the details): the AMX tiles [1, N / 16, K / 32, 256 or
@@ -40,10 +41,12 @@ enum class CodeLayout { kTiles, kPairs, kQuads };
 // Checks x (float32 [M, K]) and the codes in `layout`: the shape they give (`half` unset).
 inline TileShape checked_codes(const at::Tensor& x, const at::Tensor& codes, CodeLayout layout) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
-  const bool eight = codes.scalar_type() == at::kChar;
-  const int64_t step_bytes = eight ? 512 : 256;
-  const bool common =
-      (eight || codes.scalar_type() == at::kByte) && codes.is_contiguous() && codes.dim() >= 4 && codes.size(0) == 1;
+  const bool six = layout == CodeLayout::kQuads && codes.scalar_type() == at::kByte && codes.dim() == 6 &&
+                   codes.size(3) == 6;
+  const bool eight = codes.scalar_type() == at::kChar || six;
+  const int64_t step_bytes = six ? 384 : eight ? 512 : 256;
+  const bool common = (codes.scalar_type() == at::kChar || codes.scalar_type() == at::kByte) && codes.is_contiguous() &&
+                      codes.dim() >= 4 && codes.size(0) == 1;
   bool fits = false;
   const char* expected = "";
   switch (layout) {
@@ -58,14 +61,15 @@ inline TileShape checked_codes(const at::Tensor& x, const at::Tensor& codes, Cod
     case CodeLayout::kQuads:
       fits = common && codes.dim() == 6 && codes.size(3) == step_bytes / 64 && codes.size(4) == 16 &&
              codes.size(5) == 4;
-      expected = "codes: contiguous uint8 [1, N / 16, K / 32, 4, 16, 4] or int8 [1, N / 16, K / 32, 8, 16, 4]";
+      expected = "codes: contiguous uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit), int8 [1, N / 16, K / 32, 8, 16, 4] "
+                 "(8-bit) or uint8 [1, N / 16, K / 32, 6, 16, 4] (6-bit)";
       break;
   }
   TORCH_CHECK(fits, expected);
   const int64_t blocks = codes.size(1), steps = codes.size(layout == CodeLayout::kPairs ? 3 : 2);
   const int64_t groups = eight ? 2 * steps : steps;
   TORCH_CHECK(x.size(1) == steps * kStep, "K must match the codes' steps of 32 inputs");
-  return {blocks, steps, groups, eight, false};
+  return {blocks, steps, groups, eight, false, six};
 }
 
 // Checks the scales and biases stored whole (float32 or float16) of codes of `shape`, and sets `shape.half`.

@@ -15,6 +15,8 @@
 //     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. VPDPBUSD runs them as unsigned bytes
 //     code + 128, each 16 inputs' sum of 128 x the row's codes taken back in int32; AVX2 as |code| times the row's
 //     code with the code's sign.
+//   6-bit (AVX2 only, Q6_K's codes -32..31): codes uint8 [1, N / 16, K / 32, 6, 16, 4], code + 32 split into the
+//     4-bit layout's nibbles (chunks 0..3) and two chunks of high bits (SixBit below); scaled as 8-bit codes.
 // A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
 //   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
 // each integer sum as 128 times the high codes' dot plus the low codes' one.
@@ -584,6 +586,91 @@ struct EightBit {
   }
 };
 
+#if HIERSPEC_VNNI == 256
+// The 6-bit form (AVX2): a Q6_K weight's codes, within -32..31, stored as u = code + 32 in 6 bits and scaled as the
+// 8-bit form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low
+// 4 bits as the 4-bit form holds its codes (quad c in the low nibble of chunk c, quad c + 4 in the high one), chunk
+// 4 + p the high 2 bits of quads p, p + 2, p + 4, p + 6 at bits 0, 2, 4, 6. 384 bytes a step against the 8-bit
+// form's 512; and VPMADDUBSW takes u (at most 63) times a row's code as it is, each pair's sum within 2 * 63 * 127,
+// two quads' within 2^15, where the 8-bit form needs a sign product and a widening per quad. The offset is taken
+// back as the AVX-512 build takes its 128: each group's sum starts from -32 x the row's sum over it, so that every
+// integer sum equals the 8-bit form's and each (row, output) takes EightBit::finish's float32 operations: the same
+// bits as the same codes in the 8-bit form.
+struct SixQuads {
+  IV quad[kQuads];
+};
+
+// the high 2 bits of quad q from its chunk's byte, in place (bits 4..5): 16-bit shifts move bits across bytes only
+// below bit 4 of a byte, which the mask clears
+inline IV high_bits(IV chunk, int q) {
+  const IV mask = _mm256_set1_epi8(0x30);
+  switch (q / 2) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(chunk, 4), mask);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(chunk, 2), mask);
+    case 2: return _mm256_and_si256(chunk, mask);
+    default: return _mm256_and_si256(_mm256_srli_epi16(chunk, 2), mask);
+  }
+}
+
+// quad c of a part of a step
+inline IV six_quad(const uint8_t* step, int c, int part) {
+  const IV bytes = load_bytes(step + 64 * (c % 4) + part * kQuadPartBytes);
+  const IV high = load_bytes(step + 64 * (4 + c % 2) + part * kQuadPartBytes);
+  return _mm256_or_si256(c < 4 ? low_nibbles(bytes) : high_nibbles(bytes), high_bits(high, c));
+}
+
+inline void decode_six(const uint8_t* src, int part, SixQuads& q) {
+  for (int c = 0; c < kQuads; ++c) q.quad[c] = six_quad(src, c, part);
+}
+
+// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`: two quads' pair sums in int16, then
+// widened
+inline void dot_step6(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
+  for (int c = 0; c < kQuads; c += 2) {
+    const IV pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.quad[c], splat_int(quad_of(codes, c))),
+                                      _mm256_maddubs_epi16(q.quad[c + 1], splat_int(quad_of(codes, c + 1))));
+    sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(pairs));
+  }
+}
+
+// the offset's take-back each group's sum starts from: -32 x the row's sum over the group (RowStep holds -128 x it)
+inline void six_offset_sums(const RowStep& step, IV (&sums)[2]) {
+  sums[0] = splat_int(step.low / 4);
+  sums[1] = splat_int(step.high / 4);
+}
+
+template <class Source>
+struct SixBit : EightBit<Source> {
+  static constexpr int64_t kStepBytes = 384;
+  using Quads = SixQuads;
+  using Sums = typename EightBit<Source>::Sums;
+
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
+    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
+  }
+  static void decode(const uint8_t* src, int part, Quads& quads) { decode_six(src, part, quads); }
+
+  template <bool Two>
+  static Sums sums(const Quads& quads, const int8_t* codes, const RowStep& step) {
+    // as EightBit::sums: the high codes' dots, and the low ones' from the offset's take-back
+    Sums high;
+    if constexpr (Two) {
+      IV low[2];
+      high.group[0] = high.group[1] = splat_int(0);
+      six_offset_sums(step, low);
+      dot_step6(quads, codes, high.group);
+      dot_step6(quads, codes + kStep, low);
+      high.group[0] = high_plus_low(high.group[0], low[0]);
+      high.group[1] = high_plus_low(high.group[1], low[1]);
+    } else {
+      six_offset_sums(step, high.group);
+      dot_step6(quads, codes, high.group);
+    }
+    return high;
+  }
+};
+#endif
+
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]; `once`: the only pass over the block's weights
 template <int MT, bool Two, class Form, class Source>
 void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, bool once,
@@ -680,6 +767,95 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
       store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
 }
 
+// AVX2, 6-bit codes, 2 to 4 rows: a tile of MT rows whose groups' int32 sums of both parts are kept together while
+// the step's quads go by two at a time (both parts decoded once for all the tile's rows), each row's two quads
+// broadcast once for both parts; block_rows decodes a part per pass and broadcasts every row's quads once a part.
+// The integer sums are exact in any order and each (row, output) takes EightBit::finish's float32 operations: the
+// same bits.
+template <int MT, bool Two, class Source>
+void block_rows_six(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, bool once,
+                    float* out) {
+  using Form = SixBit<Source>;
+  constexpr int64_t kCodes = Two ? 2 : 1;
+  FV acc[MT][kParts];
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
+  const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
+  for (int64_t s = 0; s < w.steps; ++s) {
+    const uint8_t* step = codes + s * Form::kStepBytes;
+    prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, once);
+    Form::prefetch(source, block, s, once);
+    const int64_t first = x.at(r0, s);
+    const int8_t* row_codes = x.codes + kCodes * kStep * first;
+    const RowStep* row_steps = x.steps + first;
+    // [row][part][group], and with Two the low codes' beside the high ones'
+    IV sums[MT][kParts][2], lows[Two ? MT : 1][kParts][2];
+    for (int m = 0; m < MT; ++m) {
+      IV offsets[2];
+      six_offset_sums(row_steps[m], offsets);
+      for (int part = 0; part < kParts; ++part)
+        for (int g = 0; g < 2; ++g) {
+          if constexpr (Two) {
+            sums[m][part][g] = splat_int(0);
+            lows[m][part][g] = offsets[g];
+          } else {
+            sums[m][part][g] = offsets[g];
+          }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < kQuads; c += 2) {
+      IV quads[2][kParts];
+      for (int part = 0; part < kParts; ++part) {
+        quads[0][part] = six_quad(step, c, part);
+        quads[1][part] = six_quad(step, c + 1, part);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        for (int code = 0; code < kCodes; ++code) {
+          const int8_t* row = row_codes + kCodes * kStep * m + code * kStep;
+          const IV a = splat_int(quad_of(row, c)), b = splat_int(quad_of(row, c + 1));
+          for (int part = 0; part < kParts; ++part) {
+            const IV pairs = _mm256_add_epi16(_mm256_maddubs_epi16(quads[0][part], a),
+                                              _mm256_maddubs_epi16(quads[1][part], b));
+            IV& sum = (Two && code == 1) ? lows[Two ? m : 0][part][c / 4] : sums[m][part][c / 4];
+            sum = _mm256_add_epi32(sum, widened_pairs(pairs));
+          }
+        }
+      }
+    }
+    for (int part = 0; part < kParts; ++part) {
+      const auto scales = Form::scales_of(source, block, s, part);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        typename Form::Sums total;
+        for (int g = 0; g < 2; ++g)
+          total.group[g] = Two ? high_plus_low(sums[m][part][g], lows[Two ? m : 0][part][g]) : sums[m][part][g];
+        acc[m][part] = Form::finish(total, row_steps[m], scales, acc[m][part]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part)
+      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
+}
+
+// Rows of a 6-bit product taken by block_rows_six: kSixTilesFrom to kSixTilesTo rows, as one tile; more go to
+// block_rows. Zen 3, two threads, alternating in one process (forty-eighth session): the 1.5B's Q6_K output head
+// alone (151,936 x 1,536) in tiles against block_rows, 2 rows 0.76-0.85x the time, 3 rows 0.86x, 4 rows 0.82x; from
+// 5 rows on, tiles of 4 were no faster (0.95-1.13x: the sums of 4 rows spill from the 16 registers either way).
+constexpr int64_t kSixTilesFrom = 2, kSixTilesTo = 4;
+
+template <bool Two, class Source>
+void block_rows_six_tile(const Codes& w, const Source& source, const Rows& x, int64_t rows, int64_t block,
+                         float* out) {
+  switch (rows) {
+    case 4: return block_rows_six<4, Two>(w, source, x, block, 0, true, out);
+    case 3: return block_rows_six<3, Two>(w, source, x, block, 0, true, out);
+    default: return block_rows_six<2, Two>(w, source, x, block, 0, true, out);
+  }
+}
+
 // Rows of a 4-bit product (one code a row) taken by block_rows_quads: from kQuadsFrom rows on (one row measured the
 // same either way, and its path is the one tuned for decoding). Up to kOneQuadTile rows make one tile; more, tiles of
 // 3 or 4 rows as even as can be (a 1-row tail would repeat the step's decoding for one row; tiles of 4 measured faster
@@ -715,6 +891,10 @@ void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t
   if constexpr (!Two && std::is_same_v<Form, FourBit<Source>>) {
     if (rows >= kQuadsFrom) return block_rows_in_quads(w, source, x, rows, block, out);
   }
+  if constexpr (std::is_same_v<Form, SixBit<Source>>) {
+    if (rows >= kSixTilesFrom && rows <= kSixTilesTo)
+      return block_rows_six_tile<Two>(w, source, x, rows, block, out);
+  }
 #endif
   const bool once = rows <= kRowsPerPass;
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
@@ -737,10 +917,14 @@ void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t
 
 // every block of the product, shared out between the threads
 template <bool Two, class Source>
-void all_blocks(const Codes& w, const Source& source, bool eight, int64_t blocks, const Rows& x, int64_t rows,
-                float* out) {
+void all_blocks(const Codes& w, const Source& source, bool eight, bool six, int64_t blocks, const Rows& x,
+                int64_t rows, float* out) {
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
+#if HIERSPEC_VNNI == 256
+      if (six) block_all_rows<Two, SixBit<Source>>(w, source, x, rows, block, out);
+      else
+#endif
       if (eight) block_all_rows<Two, EightBit<Source>>(w, source, x, rows, block, out);
       else block_all_rows<Two, FourBit<Source>>(w, source, x, rows, block, out);
     }
@@ -759,6 +943,8 @@ at::Tensor integer_product(const at::Tensor& x, const at::Tensor& codes, const a
   TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
+  TORCH_CHECK(!shape.six || vnni_width() == 256, "6-bit codes: the AVX2 build's form (int4_kernel.py packs them "
+                                                 "only there)");
   if (factored) check_factors(shape, scale, bias, units);
   else check_scales(shape, scale, bias);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
@@ -772,7 +958,7 @@ at::Tensor integer_product(const at::Tensor& x, const at::Tensor& codes, const a
   const Codes weights{static_cast<const uint8_t*>(codes.data_ptr()), shape.steps, n};
   float* results = out.data_ptr<float>();
   const auto run = [&](const auto& source) {
-    all_blocks<Two>(weights, source, shape.eight, shape.blocks, inputs, rows, results);
+    all_blocks<Two>(weights, source, shape.eight, shape.six, shape.blocks, inputs, rows, results);
   };
   const int64_t supers = shape.steps / kStepsPerSuper, per_super = shape.groups / std::max<int64_t>(supers, 1);
   if (factored && shape.eight)
