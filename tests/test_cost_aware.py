@@ -348,18 +348,55 @@ def test_cost_aware_drafting_is_the_default_and_keeps_greedy_output_identical(tm
         make_drafter("pld:budget=auto", DrafterContext(target, cost_curve=str(tmp_path / "none.json")))
 
 
-def test_a_draft_models_cost_comes_from_its_own_measured_curve(tmp_path, monkeypatch):
+def test_a_draft_models_cost_is_its_curves_shape_in_its_targets_milliseconds(tmp_path, monkeypatch):
+    """The draft's own curve is measured when first needed (its shape); its step costs the paired ratio of the two
+    models' one-token forwards times the target's step (measured once per process)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     target = make_target("llama", vocab_size=64, seed=3, max_positions=256)
     drafter = make_drafter("sd:draft=self:1", DrafterContext(target))
     assert isinstance(drafter, CostAwareDrafter)
     from hierspec import calibration
 
-    assert not calibration.default_curve_path(drafter.inner.lm.model).is_file()  # measured when first needed
+    pairs = []
+    monkeypatch.setattr(calibration, "paired_cost_ratio", lambda model, reference: pairs.append(model) or 0.25)
+    draft = drafter.inner.lm.model
+    assert not calibration.default_curve_path(draft).is_file()  # measured when first needed
     three = drafter.draft_cost(3)
-    assert calibration.default_curve_path(drafter.inner.lm.model).is_file()
-    step = calibration.verification_cost(drafter.inner.lm.model, measure=False)(1)
-    assert three == pytest.approx(3 * step) and step > 0
+    assert calibration.default_curve_path(draft).is_file()
+    target_step = calibration.verification_cost(target, measure=False)(1)
+    assert three == pytest.approx(3 * 0.25 * target_step) and target_step > 0
+    assert drafter.draft_cost(5) == pytest.approx(5 * 0.25 * target_step) and pairs == [draft]
+
+
+def test_a_paired_cost_ratio_holds_on_a_machine_whose_speed_changes_between_pairs(monkeypatch):
+    """A fake clock: the draft's one-token forward takes 3 units, the target's 10, both times a slowdown that
+    changes from one pair to the next (1, 5, 2, 7, ...): each pair's ratio, hence their median, is 0.3, where the
+    two models' times taken apart would give any ratio from 3/70 to 21/10."""
+    import hierspec.calibration as calibration
+
+    target = make_target("llama", vocab_size=64, seed=0, max_positions=256)
+    draft = make_target("llama", vocab_size=64, seed=1, max_positions=256)
+    clock, calls, order = [0.0], [0], []
+    slowdowns = [1, 5, 2, 7, 3, 6]
+
+    def slowed(model, units):
+        forward = model.forward_tree
+
+        def timed_forward(cache, tree, *args, **kwargs):
+            out = forward(cache, tree, *args, **kwargs)
+            clock[0] += units * slowdowns[(calls[0] // 2) % len(slowdowns)]
+            calls[0] += 1
+            order.append(units)
+            return out
+        return timed_forward
+
+    monkeypatch.setattr(draft, "forward_tree", slowed(draft, 3))
+    monkeypatch.setattr(target, "forward_tree", slowed(target, 10))
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    assert calibration.paired_cost_ratio(draft, target, pairs=6, context=16) == pytest.approx(0.3, rel=1e-12)
+    assert order[:4] == [10, 3, 3, 10]  # which goes first alternates
+    with pytest.raises(InputError, match="at least one pair"):
+        calibration.paired_cost_ratio(draft, target, pairs=0)
 
 
 def test_a_missing_curve_is_measured_once_and_saved(tmp_path, monkeypatch):

@@ -239,6 +239,65 @@ def verification_cost(target: TargetModel, measure: bool = True) -> Callable[[in
     return curve.context_cost(buckets)
 
 
+#: one-token forward pairs timed for a draft model's cost against its target's, and the context they run over
+RATIO_PAIRS = 15
+RATIO_CONTEXT = 64
+
+
+def paired_cost_ratio(model: TargetModel, reference: TargetModel, pairs: int = RATIO_PAIRS,
+                      context: int = RATIO_CONTEXT, seed: int = 0) -> float:
+    """The time of ``model``'s one-token forward over a ``context``-token prefix as a share of ``reference``'s: the
+    median ratio of ``pairs`` pairs timed back to back, which of the two goes first alternating.
+
+    Two curves saved at different moments each carry the machine's speed of their moment (on a 2-core Zen 3, a
+    Qwen2.5-Coder-0.5B draft's curve put its step at 0.44 of the 1.5B's one minute and 0.31 another hour, where
+    pairs of forwards measure 0.33-0.36): what decides whether a draft model pays is this ratio, so it is measured
+    in pairs, as a curve's shape is.
+    """
+    if pairs < 1:
+        raise InputError("paired_cost_ratio needs at least one pair")
+    context = max(2, min(context, model.max_context - 2, reference.max_context - 2))
+    ids = np.random.default_rng(seed).integers(0, min(model.vocab_size, reference.vocab_size), size=context).tolist()
+    one = build_tree(ids[-1], [])
+    states = []
+    for m in (model, reference):
+        cache = m.new_cache(capacity=context + 2)
+        m.prefill(cache, ids[:-1])
+        states.append((m, cache, cache.get_seq_length()))
+
+    def timed(m: TargetModel, cache, past: int) -> float:
+        m.synchronize()
+        start = time.perf_counter()
+        m.forward_tree(cache, one)
+        m.synchronize()
+        elapsed = time.perf_counter() - start
+        m.keep_path(cache, past, [0])
+        cache.crop(-1)
+        return elapsed
+
+    ratios = []
+    for index in range(pairs + 1):
+        if index % 2:
+            own, other = timed(*states[0]), timed(*states[1])
+        else:
+            other, own = timed(*states[1]), timed(*states[0])
+        if index:  # the first pair warms up
+            ratios.append(own / other)
+    return statistics.median(ratios)
+
+
+def relative_verification_cost(model: TargetModel, reference: TargetModel,
+                               reference_cost: Callable[[int], float]) -> Callable[[int], float]:
+    """``model``'s verification cost by rows (:func:`verification_cost`: its saved or measured curve's shape), scaled
+    so that its one-token forward costs :func:`paired_cost_ratio` times ``reference_cost(1)``: a draft model's cost
+    in its target's milliseconds, whatever the machine's speed when either curve was measured."""
+    own = verification_cost(model)
+    scale = paired_cost_ratio(model, reference) * reference_cost(1) / own(1)
+    log.info("%s costs %.3f of %s's step (one-token forwards timed in pairs)", model.name,
+             scale * own(1) / reference_cost(1), reference.name)
+    return lambda rows: own(rows) * scale
+
+
 #: tree sizes and paired rounds of the curve measured when none was saved (~8 s for a 135M model on 2 cores)
 AUTO_SIZES = (1, 2, 4, 8, 16, 32, 64)
 AUTO_REPEATS = 6

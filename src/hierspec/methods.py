@@ -80,7 +80,7 @@ class DrafterContext:
         from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_share
         from hierspec.target import load_model
 
-        from hierspec.calibration import verification_cost
+        from hierspec.calibration import relative_verification_cost
 
         def load():
             if spec.startswith(SELF_PREFIX):
@@ -96,10 +96,12 @@ class DrafterContext:
                                                           lambda: draft.head_over(shortlist))
 
         def step_cost(rows: int) -> float:
-            # the draft's own cost curve (measured once per machine when missing, with its whole head), read when
+            # the draft's own cost curve (measured once per machine when missing, with its whole head) in the
+            # target's milliseconds (its step against the target's timed in pairs, once per process), read when
             # cost-aware drafting asks; with a shortlist head, times the share of a forward it leaves (measured once
             # per head, however many generations draft with it)
-            cost = verification_cost(draft)(rows)
+            cost = self.shared(("draft-cost", spec, self.draft_requantize),
+                               lambda: relative_verification_cost(draft, self.target, self.verification_cost()))(rows)
             return cost if head is None else cost * self.shared(("draft-head-share", spec, self.draft_vocab),
                                                                 lambda: shortlist_share(draft, head))
 
