@@ -443,6 +443,31 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
     assert unwindowed.report()["deferred_steps"] == 0  # without the target's cost: the old behaviour
 
 
+def test_steps_the_cost_aware_plan_skips_count_toward_the_draft_models_start(target, small):
+    """A draft step at 6 ms against a flat 10 ms target step: at the prior's one-in-two acceptance drafting does not
+    pay (1.5 tokens in 16 ms), so the plan skips every step but the explorations (every 8th) until it has seen the
+    draft accepted. A 60-token prompt the draft's curve prices at 59 ms starts the draft model after 5 steps of rent
+    (8 x 5 + 5 k >= 59 + k); were only the explorations counted, 40 steps would not reach it and nothing would ever
+    be drafted or learnt. Plain decoding's tokens either way."""
+    def draft_curve(rows):
+        return 6.0 if rows == 1 else float(rows)
+
+    rng = np.random.default_rng(4)
+    motif = rng.integers(1, VOCAB, size=12).tolist()
+    prompt = motif * 5
+    for drafter in (DraftModelDrafter(DraftLM(small, step_cost=draft_curve), DraftModelConfig(k=4)),
+                    HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.0), DraftModelConfig(k=2)),
+                                 DraftLM(self_drafting_model(target, 3), step_cost=draft_curve),
+                                 HSDDWConfig(tau=3.0, max_block=4))):
+        wrapped = CostAwareDrafter(drafter, lambda rows: 10.0)
+        _check_identity(target, wrapped, [prompt], max_new_tokens=40)
+        report = drafter.report()
+        assert wrapped.skipped_steps > 0  # the plan skipped steps before it learnt the draft's acceptance
+        assert 0 < report["deferred_steps"] <= 8, report  # counted on skipped steps too
+        forwards = report["draft_forwards"] if "draft_forwards" in report else report["middle_forwards"]
+        assert forwards > 0, (type(drafter).__name__, report)  # the explorations after the start drafted
+
+
 def test_hsddw_whose_middle_model_cannot_pay_sends_its_retrieval_drafts_alone(target):
     """A middle round priced at 9.6 ms against a 10 ms target step can never pay (at best under 1.05x), so the plan
     skips every step: prompt lookup's drafts go to the target without the middle model — plain decoding's tokens,

@@ -133,7 +133,7 @@ class HSDDWDrafter(Drafter):
         if limit <= 0:
             return root_only(int(context[-1]))
         if not self.start.ready(context, None if self.window is None else self.window.verify_ms):
-            free = self.free_proposal(context, budget)  # a first draft model waits for the middle one
+            free = self._first_alone(context, budget)  # a first draft model waits for the middle one
             return root_only(int(context[-1])) if free is None else free
         tokens: list[int] = []
         sources: list[str] = []
@@ -169,7 +169,14 @@ class HSDDWDrafter(Drafter):
         first draft model offers nothing: it starts with the middle one): before the middle model has started, and
         in a step where the plan prices a middle round out — the databases' tree still costs nothing to offer (on
         dev summarization prompts of 660-920 tokens ``hd:draft=on`` decoded up to 48 of 61 steps plainly where
-        ``hd`` drafted)."""
+        ``hd`` drafted). The step, taken without the middle model, counts toward its start (see
+        :meth:`DraftModelDrafter.free_proposal <hierspec.drafters.draft_model.DraftModelDrafter.free_proposal>`)."""
+        if self.window is not None:
+            self.start.ready(context, self.window.verify_ms)
+        return self._first_alone(context, budget)
+
+    def _first_alone(self, context: np.ndarray, budget: int) -> DraftTree | None:
+        """The first drafter's proposal without the middle model, when it is free to draft; else ``None``."""
         limit = min(budget, self.config.max_block)
         if limit <= 0 or self.first.draft_cost(1) > 0:
             return None
