@@ -118,9 +118,11 @@ def _curve(tmp_path):
 
 
 def test_windowed_sd_and_hsddw_reproduce_plain_decoding(tmp_path, monkeypatch):
-    # the draft's step cost fixed at a twentieth of the target's: measured (as it otherwise is, once per machine),
-    # it came out dear enough under a loaded suite to keep every window at one token
+    # the draft's step cost fixed at a twentieth of the target's (its curve flat, its step timed against the
+    # target's in pairs): measured, as it otherwise is, it came out dear enough under a loaded suite to keep every
+    # window at one token
     monkeypatch.setattr(calibration, "verification_cost", lambda model, measure=True: lambda rows: 0.5)
+    monkeypatch.setattr(calibration, "paired_cost_ratio", lambda model, reference: 0.05)
     target = make_target("llama", vocab_size=64, seed=3)
     context = DrafterContext(target, cost_curve=_curve(tmp_path))
     rng = np.random.default_rng(9)

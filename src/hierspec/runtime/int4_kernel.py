@@ -244,7 +244,9 @@ class PackedVnni:
     Attributes:
         codes: uint8 ``[1, out / 16, in / 32, 4, 16, 4]`` (one 4-bit pass: byte ``(c, n, i)`` of a step holds input
             ``4c + i`` of output ``n`` in its low nibble and input ``16 + 4c + i`` in its high one) or int8
-            ``[1, out / 16, in / 32, 8, 16, 4]`` (8-bit codes, byte ``(c, n, i)`` input ``4c + i``).
+            ``[1, out / 16, in / 32, 8, 16, 4]`` (8-bit codes, byte ``(c, n, i)`` input ``4c + i``), or uint8
+            ``[1, out / 16, in / 32, 6, 16, 4]`` (a ``Q6_K`` weight's codes in the AVX2 build's 6-bit form,
+            :func:`six_bit_quads`; scaled as 8-bit codes).
         scales, bias: as :class:`PackedAmx`'s (the same weights: ``code * scale + bias``, or ``code * scale``); or,
             with ``units``, a K-quant weight's integer steps: uint8 ``[1, out / 16, in / 32, 16]`` and uint8
             ``[out / 16, in / 32, 16]`` (``Q4_K``), int8 ``[1, out / 16, in / 16, 16]`` and empty (``Q6_K``).

@@ -506,11 +506,11 @@ inline void decode_eight(const uint8_t* src, int, EightQuads& q) {
   for (int c = 0; c < kQuads; ++c) q.quad[c] = _mm512_xor_si512(load_bytes(src + 64 * c), offset);
 }
 // each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`
-inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
+inline void group_dots(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
 }
 // the offsets' take-back the low codes' sums start from: -128 x the sum of 128 high + low over each group
-inline void offset_sums(const RowStep& step, IV (&sums)[2]) {
+inline void offset_sums(const EightQuads&, const RowStep& step, IV (&sums)[2]) {
   sums[0] = splat_int(step.low);
   sums[1] = splat_int(step.high);
 }
@@ -526,67 +526,14 @@ inline void decode_eight(const uint8_t* src, int part, EightQuads& q) {
     q.magnitude[c] = _mm256_abs_epi8(q.sign[c]);
   }
 }
-inline void dot_step8(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
+inline void group_dots(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; ++c) {
     const IV row = _mm256_sign_epi8(splat_int(quad_of(codes, c)), q.sign[c]);
     sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(_mm256_maddubs_epi16(q.magnitude[c], row)));
   }
 }
-inline void offset_sums(const RowStep&, IV (&sums)[2]) { sums[0] = sums[1] = splat_int(0); }
-#endif
+inline void offset_sums(const EightQuads&, const RowStep&, IV (&sums)[2]) { sums[0] = sums[1] = splat_int(0); }
 
-// The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
-template <class Source>
-struct EightBit {
-  static constexpr int64_t kStepBytes = 512;
-  using Quads = EightQuads;
-  struct Scales {
-    FV low, high;
-  };
-
-  static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
-    return {source.scale_at(block, 2 * s, part), source.scale_at(block, 2 * s + 1, part)};
-  }
-  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
-    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
-  }
-
-  static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
-
-  // a row's integer sums of each group of the step's part, then (finish) their scaled float32 added to its
-  // accumulator
-  struct Sums {
-    IV group[2];
-  };
-  static constexpr bool kSumsFirst = false;  // two vectors a row: 8 rows' would not fit in AVX2's registers
-  template <bool Two>
-  static Sums sums(const Quads& quads, const int8_t* codes, const RowStep& step) {
-    // each group's dot of the high codes, and of the low ones (the last dot starting from the AVX-512 build's offset
-    // take-back)
-    Sums high;
-    if constexpr (Two) {
-      IV low[2];
-      high.group[0] = high.group[1] = splat_int(0);
-      offset_sums(step, low);
-      dot_step8(quads, codes, high.group);
-      dot_step8(quads, codes + kStep, low);
-      high.group[0] = high_plus_low(high.group[0], low[0]);
-      high.group[1] = high_plus_low(high.group[1], low[1]);
-    } else {
-      offset_sums(step, high.group);
-      dot_step8(quads, codes, high.group);
-    }
-    return high;
-  }
-  static FV finish(const Sums& sums, const RowStep& step, const Scales& w, FV acc) {
-    const FV first = as_float(sums.group[0]);
-    const FV second = as_float(sums.group[1]);
-    const FV part = fmadd(second, w.high, mul(first, w.low));
-    return fmadd(part, splat(step.scale), acc);
-  }
-};
-
-#if HIERSPEC_VNNI == 256
 // The 6-bit form (AVX2): a Q6_K weight's codes, within -32..31, stored as u = code + 32 in 6 bits and scaled as the
 // 8-bit form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low
 // 4 bits as the 4-bit form holds its codes (quad c in the low nibble of chunk c, quad c + 4 in the high one), chunk
@@ -625,7 +572,7 @@ inline void decode_six(const uint8_t* src, int part, SixQuads& q) {
 
 // each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`: two quads' pair sums in int16, then
 // widened
-inline void dot_step6(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
+inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; c += 2) {
     const IV pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.quad[c], splat_int(quad_of(codes, c))),
                                       _mm256_maddubs_epi16(q.quad[c + 1], splat_int(quad_of(codes, c + 1))));
@@ -634,11 +581,65 @@ inline void dot_step6(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
 }
 
 // the offset's take-back each group's sum starts from: -32 x the row's sum over the group (RowStep holds -128 x it)
-inline void six_offset_sums(const RowStep& step, IV (&sums)[2]) {
+inline void offset_sums(const SixQuads&, const RowStep& step, IV (&sums)[2]) {
   sums[0] = splat_int(step.low / 4);
   sums[1] = splat_int(step.high / 4);
 }
+#endif
 
+// The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
+template <class Source>
+struct EightBit {
+  static constexpr int64_t kStepBytes = 512;
+  using Quads = EightQuads;
+  struct Scales {
+    FV low, high;
+  };
+
+  static Scales scales_of(const Source& source, int64_t block, int64_t s, int part) {
+    return {source.scale_at(block, 2 * s, part), source.scale_at(block, 2 * s + 1, part)};
+  }
+  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
+    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
+  }
+
+  static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
+
+  // a row's integer sums of each group of the step's part, then (finish) their scaled float32 added to its
+  // accumulator
+  struct Sums {
+    IV group[2];
+  };
+  static constexpr bool kSumsFirst = false;  // two vectors a row: 8 rows' would not fit in AVX2's registers
+  template <bool Two, class Q>  // Q: EightQuads, or the 6-bit form's SixQuads (SixBit)
+  static Sums sums(const Q& quads, const int8_t* codes, const RowStep& step) {
+    // each group's dot of the high codes, and of the low ones (the last dot starting from the offset's take-back)
+    Sums high;
+    if constexpr (Two) {
+      IV low[2];
+      high.group[0] = high.group[1] = splat_int(0);
+      offset_sums(quads, step, low);
+      group_dots(quads, codes, high.group);
+      group_dots(quads, codes + kStep, low);
+      high.group[0] = high_plus_low(high.group[0], low[0]);
+      high.group[1] = high_plus_low(high.group[1], low[1]);
+    } else {
+      offset_sums(quads, step, high.group);
+      group_dots(quads, codes, high.group);
+    }
+    return high;
+  }
+  static FV finish(const Sums& sums, const RowStep& step, const Scales& w, FV acc) {
+    const FV first = as_float(sums.group[0]);
+    const FV second = as_float(sums.group[1]);
+    const FV part = fmadd(second, w.high, mul(first, w.low));
+    return fmadd(part, splat(step.scale), acc);
+  }
+};
+
+#if HIERSPEC_VNNI == 256
+// The 6-bit form: its own layout and decoding, the 8-bit form's scales, sums (through the SixQuads overloads of
+// group_dots and offset_sums) and finish.
 template <class Source>
 struct SixBit : EightBit<Source> {
   static constexpr int64_t kStepBytes = 384;
@@ -649,25 +650,6 @@ struct SixBit : EightBit<Source> {
     source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
   }
   static void decode(const uint8_t* src, int part, Quads& quads) { decode_six(src, part, quads); }
-
-  template <bool Two>
-  static Sums sums(const Quads& quads, const int8_t* codes, const RowStep& step) {
-    // as EightBit::sums: the high codes' dots, and the low ones' from the offset's take-back
-    Sums high;
-    if constexpr (Two) {
-      IV low[2];
-      high.group[0] = high.group[1] = splat_int(0);
-      six_offset_sums(step, low);
-      dot_step6(quads, codes, high.group);
-      dot_step6(quads, codes + kStep, low);
-      high.group[0] = high_plus_low(high.group[0], low[0]);
-      high.group[1] = high_plus_low(high.group[1], low[1]);
-    } else {
-      six_offset_sums(step, high.group);
-      dot_step6(quads, codes, high.group);
-    }
-    return high;
-  }
 };
 #endif
 
@@ -792,7 +774,7 @@ void block_rows_six(const Codes& w, const Source& source, const Rows& x, int64_t
     IV sums[MT][kParts][2], lows[Two ? MT : 1][kParts][2];
     for (int m = 0; m < MT; ++m) {
       IV offsets[2];
-      six_offset_sums(row_steps[m], offsets);
+      offset_sums(SixQuads{}, row_steps[m], offsets);
       for (int part = 0; part < kParts; ++part)
         for (int g = 0; g < 2; ++g) {
           if constexpr (Two) {
