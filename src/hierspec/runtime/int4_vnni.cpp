@@ -653,21 +653,43 @@ struct SixBit : EightBit<Source> {
 };
 #endif
 
+// A pass's accumulators (MT rows' outputs of a block, part by part) set to zero
+template <int MT>
+inline void zero_rows(FV (&acc)[MT][kParts]) {
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
+}
+
+// ... and stored as rows r0 .. r0 + MT of out [rows, N]
+template <int MT>
+inline void store_rows(const FV (&acc)[MT][kParts], const Codes& w, int64_t block, int64_t r0, float* out) {
+  for (int m = 0; m < MT; ++m)
+    for (int part = 0; part < kParts; ++part)
+      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
+}
+
+// step s of a block's codes, with the lines kPrefetchBytes ahead of it and its scales' asked for (prefetch_lines)
+template <class Form, class Source>
+__attribute__((always_inline)) inline const uint8_t* fetched_step(const Codes& w, const Source& source, int64_t block,
+                                                                 int64_t s, bool once) {
+  const uint8_t* step = w.codes + (block * w.steps + s) * Form::kStepBytes;
+  prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, once);
+  Form::prefetch(source, block, s, once);
+  return step;
+}
+
 // outputs of one block for rows r0 .. r0 + MT into out [rows, N]; `once`: the only pass over the block's weights
 template <int MT, bool Two, class Form, class Source>
 void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t block, int64_t r0, bool once,
                 float* out) {
   constexpr int64_t kCodes = Two ? 2 : 1;
   FV acc[MT][kParts];
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
-  const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
+  zero_rows(acc);
   for (int64_t s = 0; s < w.steps; ++s) {
-    prefetch_lines(codes + s * Form::kStepBytes + kPrefetchBytes, Form::kStepBytes, once);
-    Form::prefetch(source, block, s, once);
+    const uint8_t* step = fetched_step<Form>(w, source, block, s, once);
     for (int part = 0; part < kParts; ++part) {
       typename Form::Quads quads;
-      Form::decode(codes + s * Form::kStepBytes, part, quads);
+      Form::decode(step, part, quads);
       const auto scales = Form::scales_of(source, block, s, part);
       const int64_t first = x.at(r0, s);
       const int8_t* row_codes = x.codes + kCodes * kStep * first;
@@ -688,9 +710,7 @@ void block_rows(const Codes& w, const Source& source, const Rows& x, int64_t blo
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part)
-      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
+  store_rows(acc, w, block, r0, out);
 }
 
 #if HIERSPEC_VNNI == 256
@@ -707,13 +727,9 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
                       float* out) {
   using Form = FourBit<Source>;
   FV acc[MT][kParts];
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
-  const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
+  zero_rows(acc);
   for (int64_t s = 0; s < w.steps; ++s) {
-    const uint8_t* step = codes + s * Form::kStepBytes;
-    prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, once);
-    Form::prefetch(source, block, s, once);
+    const uint8_t* step = fetched_step<Form>(w, source, block, s, once);
     const int64_t first = x.at(r0, s);
     const int8_t* row_codes = x.codes + kStep * first;
     const RowStep* row_steps = x.steps + first;
@@ -744,9 +760,7 @@ void block_rows_quads(const Codes& w, const Source& source, const Rows& x, int64
         acc[m][part] = Form::finish(widened_pairs(sums[m][part]), row_steps[m], scales, acc[m][part]);
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part)
-      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
+  store_rows(acc, w, block, r0, out);
 }
 
 // AVX2, 6-bit codes, 2 to 4 rows: a tile of MT rows whose groups' int32 sums of both parts are kept together while
@@ -760,13 +774,9 @@ void block_rows_six(const Codes& w, const Source& source, const Rows& x, int64_t
   using Form = SixBit<Source>;
   constexpr int64_t kCodes = Two ? 2 : 1;
   FV acc[MT][kParts];
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part) acc[m][part] = zero_part();
-  const uint8_t* codes = w.codes + block * w.steps * Form::kStepBytes;
+  zero_rows(acc);
   for (int64_t s = 0; s < w.steps; ++s) {
-    const uint8_t* step = codes + s * Form::kStepBytes;
-    prefetch_lines(step + kPrefetchBytes, Form::kStepBytes, once);
-    Form::prefetch(source, block, s, once);
+    const uint8_t* step = fetched_step<Form>(w, source, block, s, once);
     const int64_t first = x.at(r0, s);
     const int8_t* row_codes = x.codes + kCodes * kStep * first;
     const RowStep* row_steps = x.steps + first;
@@ -817,9 +827,7 @@ void block_rows_six(const Codes& w, const Source& source, const Rows& x, int64_t
       }
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int part = 0; part < kParts; ++part)
-      store_part(out + (r0 + m) * w.n + block * kBlock + part * kWidth, acc[m][part]);
+  store_rows(acc, w, block, r0, out);
 }
 
 // Rows of a 6-bit product taken by block_rows_six: kSixTilesFrom to kSixTilesTo rows, as one tile; more go to
