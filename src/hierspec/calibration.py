@@ -151,6 +151,26 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name
 
 
+def _prefilled(target: TargetModel, ids: list[int], capacity: int) -> tuple[object, int]:
+    """A new cache of ``capacity`` entries holding ``ids`` read by ``target``, and its length."""
+    cache = target.new_cache(capacity=capacity)
+    target.prefill(cache, ids)
+    return cache, cache.get_seq_length()
+
+
+def _forward_ms(target: TargetModel, cache, past: int, tree) -> float:
+    """Milliseconds of one verification forward of ``tree`` over ``cache`` (``past`` entries), whose entries are then
+    dropped again."""
+    target.synchronize()
+    start = time.perf_counter()
+    target.forward_tree(cache, tree)
+    target.synchronize()
+    elapsed = 1000 * (time.perf_counter() - start)
+    target.keep_path(cache, past, [0])
+    cache.crop(-1)
+    return elapsed
+
+
 def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZES, context: int = 128,
                        repeats: int = 5, seed: int = 0, desc: str = "calibrating",
                        long_context: int = 0) -> CostCurve:
@@ -179,32 +199,18 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     one = build_tree(root, [])
     trees = [build_tree(root, [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
              for size in sizes]
-    caches = []
-    for length in contexts:
-        cache = target.new_cache(capacity=length + max(sizes) + 1)
-        target.prefill(cache, ids[: length - 1])
-        caches.append((cache, cache.get_seq_length()))
-
-    def timed(cache, past: int, tree) -> float:
-        target.synchronize()
-        start = time.perf_counter()
-        target.forward_tree(cache, tree)
-        target.synchronize()
-        elapsed = 1000 * (time.perf_counter() - start)
-        target.keep_path(cache, past, [0])
-        cache.crop(-1)
-        return elapsed
+    caches = [_prefilled(target, ids[: length - 1], length + max(sizes) + 1) for length in contexts]
 
     ones: list[float] = []
     ratios = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
             if repeat % 2 == 0:  # the pair goes first in alternate rounds
-                pair = timed(*caches[0], one)
-                spent = [timed(cache, past, tree) for cache, past in caches]
+                pair = _forward_ms(target, *caches[0], one)
+                spent = [_forward_ms(target, cache, past, tree) for cache, past in caches]
             else:
-                spent = [timed(cache, past, tree) for cache, past in caches]
-                pair = timed(*caches[0], one)
+                spent = [_forward_ms(target, cache, past, tree) for cache, past in caches]
+                pair = _forward_ms(target, *caches[0], one)
             if repeat:  # the first round warms up
                 ones.append(pair)
                 for ratio, ms in zip(ratios, spent):
@@ -259,28 +265,14 @@ def paired_cost_ratio(model: TargetModel, reference: TargetModel, pairs: int = R
     context = max(2, min(context, model.max_context - 2, reference.max_context - 2))
     ids = np.random.default_rng(seed).integers(0, min(model.vocab_size, reference.vocab_size), size=context).tolist()
     one = build_tree(ids[-1], [])
-    states = []
-    for m in (model, reference):
-        cache = m.new_cache(capacity=context + 2)
-        m.prefill(cache, ids[:-1])
-        states.append((m, cache, cache.get_seq_length()))
-
-    def timed(m: TargetModel, cache, past: int) -> float:
-        m.synchronize()
-        start = time.perf_counter()
-        m.forward_tree(cache, one)
-        m.synchronize()
-        elapsed = time.perf_counter() - start
-        m.keep_path(cache, past, [0])
-        cache.crop(-1)
-        return elapsed
+    states = [(m, *_prefilled(m, ids[:-1], context + 2), one) for m in (model, reference)]
 
     ratios = []
     for index in range(pairs + 1):
         if index % 2:
-            own, other = timed(*states[0]), timed(*states[1])
+            own, other = _forward_ms(*states[0]), _forward_ms(*states[1])
         else:
-            other, own = timed(*states[1]), timed(*states[0])
+            other, own = _forward_ms(*states[1]), _forward_ms(*states[0])
         if index:  # the first pair warms up
             ratios.append(own / other)
     return statistics.median(ratios)

@@ -75,3 +75,8 @@ class DeferredStart:
         self._forgone += rent
         self.deferred_steps += 1
         return False
+
+    def ready_in(self, context: np.ndarray, window) -> bool:
+        """:meth:`ready`, the target's milliseconds read from the drafter's cost-aware ``window``
+        (:class:`~hierspec.drafters.token_window.TokenWindow`; ``None``: the drafter has none, start now)."""
+        return self.ready(context, None if window is None else window.verify_ms)

@@ -144,7 +144,7 @@ class DraftModelDrafter(Drafter):
         window: :class:`~hierspec.drafters.deferred_start.DeferredStart`)."""
         most = min(self.config.k, budget)
         self._entropies = []
-        if most <= 0 or not self.start.ready(context, None if self.window is None else self.window.verify_ms):
+        if most <= 0 or not self.start.ready_in(context, self.window):
             return root_only(int(context[-1]))
         tokens, dists = [], []
         scores = self.lm.next_scores(context)
@@ -169,8 +169,7 @@ class DraftModelDrafter(Drafter):
         ski rental's clock): counted only when asked to draft, steps the cost-aware plan skipped would never add up
         to a prompt's reading, and a plan that waits to learn the draft's acceptance would wait forever (Qwen2.5-
         Coder-1.5B on a Zen 3, HumanEval: 0 tokens drafted in 12 answers)."""
-        if self.window is not None:
-            self.start.ready(context, self.window.verify_ms)
+        self.start.ready_in(context, self.window)
         return None
 
     def draft_cost(self, tokens: int) -> float:

@@ -132,7 +132,7 @@ class HSDDWDrafter(Drafter):
         self._alone = False
         if limit <= 0:
             return root_only(int(context[-1]))
-        if not self.start.ready(context, None if self.window is None else self.window.verify_ms):
+        if not self.start.ready_in(context, self.window):
             free = self._first_alone(context, budget)  # a first draft model waits for the middle one
             return root_only(int(context[-1])) if free is None else free
         tokens: list[int] = []
@@ -171,8 +171,7 @@ class HSDDWDrafter(Drafter):
         dev summarization prompts of 660-920 tokens ``hd:draft=on`` decoded up to 48 of 61 steps plainly where
         ``hd`` drafted). The step, taken without the middle model, counts toward its start (see
         :meth:`DraftModelDrafter.free_proposal <hierspec.drafters.draft_model.DraftModelDrafter.free_proposal>`)."""
-        if self.window is not None:
-            self.start.ready(context, self.window.verify_ms)
+        self.start.ready_in(context, self.window)
         return self._first_alone(context, budget)
 
     def _first_alone(self, context: np.ndarray, budget: int) -> DraftTree | None:
