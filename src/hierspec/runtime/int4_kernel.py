@@ -245,7 +245,7 @@ class PackedVnni:
         codes: uint8 ``[1, out / 16, in / 32, 4, 16, 4]`` (one 4-bit pass: byte ``(c, n, i)`` of a step holds input
             ``4c + i`` of output ``n`` in its low nibble and input ``16 + 4c + i`` in its high one) or int8
             ``[1, out / 16, in / 32, 8, 16, 4]`` (8-bit codes, byte ``(c, n, i)`` input ``4c + i``), or uint8
-            ``[1, out / 16, in / 32, 6, 16, 4]`` (a ``Q6_K`` weight's codes in the AVX2 build's 6-bit form,
+            ``[1, out / 16, in / 32, 6, 16, 4]`` (a ``Q6_K`` weight's codes in the 6-bit form,
             :func:`six_bit_quads`; scaled as 8-bit codes).
         scales, bias: as :class:`PackedAmx`'s (the same weights: ``code * scale + bias``, or ``code * scale``); or,
             with ``units``, a K-quant weight's integer steps: uint8 ``[1, out / 16, in / 32, 16]`` and uint8
@@ -288,7 +288,7 @@ def pack_vnni_int8(codes: torch.Tensor, scales: torch.Tensor, factors=None, one_
                    six_bit: bool = False) -> PackedVnni:
     """The AVX512-VNNI layout of signed 8-bit codes ``[out, in]`` with a scale per 16 inputs, as ``factors`` give
     them (a ``Q6_K`` weight's :class:`~hierspec.runtime.quantized.ScaleFactors`) where given; ``one_code``: for rows
-    as one 8-bit code an input; ``six_bit``: codes within -32..31 (``Q6_K``'s) in the AVX2 build's 6-bit form
+    as one 8-bit code an input; ``six_bit``: codes within -32..31 (``Q6_K``'s) in the 6-bit form
     (:func:`six_bit_quads`; the same products, three quarters of the bytes).
 
     Raises:
@@ -316,7 +316,7 @@ def six_bit_quads(quads: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a code outside -32..31.
     """
-    if quads.numel() and (int(quads.min()) < -32 or int(quads.max()) > 31):
+    if not fits_six_bits(quads):
         raise ValueError("6-bit codes must lie within -32..31 (a Q6_K weight's)")
     unsigned = (quads.to(torch.int16) + 32).to(torch.uint8)
     low, high = unsigned & 15, unsigned >> 4
@@ -326,9 +326,16 @@ def six_bit_quads(quads: torch.Tensor) -> torch.Tensor:
     return torch.cat((nibbles, torch.stack(tops, dim=3)), dim=3).contiguous()
 
 
+def fits_six_bits(codes: torch.Tensor) -> bool:
+    """Whether signed 8-bit ``codes`` all lie within -32..31, the 6-bit form's range (a ``Q6_K`` weight's always do,
+    a ``Q5_0`` weight's -16..15 too)."""
+    return codes.numel() == 0 or (int(codes.min()) >= -32 and int(codes.max()) <= 31)
+
+
 def six_bit_products(kernel) -> bool:
-    """Whether ``kernel`` (the compiled module) multiplies the 6-bit form: its AVX2 integer products do."""
-    return kernel is not None and kernel.vnni_width() == 256
+    """Whether ``kernel`` (the compiled module) multiplies the 6-bit form: its integer products do, in the AVX2 and
+    the AVX-512 build alike."""
+    return kernel is not None and kernel.vnni_width() > 0
 
 
 def vnni_rounded(rows: torch.Tensor, one_code: bool = False) -> torch.Tensor:
@@ -627,7 +634,12 @@ def choose_kernel(timings: Mapping[str, Sequence[float]]) -> str:
 
 def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]], in_features: int,
                  repeats: int = 20, row_counts: Sequence[int] = CHOICE_ROWS) -> dict[str, list[float]]:
-    """Median seconds of each product at each of ``row_counts`` (:data:`CHOICE_ROWS`), the kernels interleaved."""
+    """The fastest of ``repeats`` timings of each product at each of ``row_counts`` (:data:`CHOICE_ROWS`), in
+    seconds, the kernels interleaved.
+
+    The fastest, not the median: the choice is kept for every later process, and another process busy on the same
+    cores only ever adds time. A choice timed while ``make stores`` ran beside it had every median near 6 ms against
+    0.03-0.07 ms on the quiet machine, and kept the AMX kernel, 1.4x slower there for a one-token forward."""
     samples: dict[str, list[list[float]]] = {name: [[] for _ in row_counts] for name in products}
     inputs = [torch.randn(rows, in_features) for rows in row_counts]
     for _ in range(repeats):
@@ -636,7 +648,7 @@ def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
                 start = time.perf_counter()
                 product(rows)
                 samples[name][i].append(time.perf_counter() - start)
-    return {name: [sorted(s)[len(s) // 2] for s in per_rows] for name, per_rows in samples.items()}
+    return {name: [min(s) for s in per_rows] for name, per_rows in samples.items()}
 
 
 def choice_path(threads: int) -> Path:

@@ -15,8 +15,8 @@
 //     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. VPDPBUSD runs them as unsigned bytes
 //     code + 128, each 16 inputs' sum of 128 x the row's codes taken back in int32; AVX2 as |code| times the row's
 //     code with the code's sign.
-//   6-bit (AVX2 only, Q6_K's codes -32..31): codes uint8 [1, N / 16, K / 32, 6, 16, 4], code + 32 split into the
-//     4-bit layout's nibbles (chunks 0..3) and two chunks of high bits (SixBit below); scaled as 8-bit codes.
+//   6-bit (Q6_K's codes -32..31): codes uint8 [1, N / 16, K / 32, 6, 16, 4], code + 32 split into the 4-bit
+//     layout's nibbles (chunks 0..3) and two chunks of high bits (SixQuads below); scaled as 8-bit codes.
 // A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
 //   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
 // each integer sum as 128 times the high codes' dot plus the low codes' one.
@@ -131,6 +131,10 @@ inline void store_part(float* p, FV v) { _mm512_storeu_ps(p, v); }
 inline IV load_bytes(const uint8_t* src) { return _mm512_loadu_si512(src); }
 inline IV low_nibbles(IV bytes) { return _mm512_and_si512(bytes, _mm512_set1_epi8(15)); }
 inline IV high_nibbles(IV bytes) { return low_nibbles(_mm512_srli_epi16(bytes, 4)); }
+inline IV either(IV a, IV b) { return _mm512_or_si512(a, b); }
+inline IV bits_45(IV v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x30)); }
+template <int N> inline IV shifted_left(IV v) { return _mm512_slli_epi16(v, N); }
+template <int N> inline IV shifted_right(IV v) { return _mm512_srli_epi16(v, N); }
 #else
 using FV = __m256;
 using IV = __m256i;
@@ -146,6 +150,10 @@ inline void store_part(float* p, FV v) { _mm256_storeu_ps(p, v); }
 inline IV load_bytes(const uint8_t* src) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)); }
 inline IV low_nibbles(IV bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi8(15)); }
 inline IV high_nibbles(IV bytes) { return low_nibbles(_mm256_srli_epi16(bytes, 4)); }
+inline IV either(IV a, IV b) { return _mm256_or_si256(a, b); }
+inline IV bits_45(IV v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x30)); }
+template <int N> inline IV shifted_left(IV v) { return _mm256_slli_epi16(v, N); }
+template <int N> inline IV shifted_right(IV v) { return _mm256_srli_epi16(v, N); }
 #endif
 constexpr int64_t kQuadPartBytes = 4 * kWidth;  // a quad's bytes of one part
 
@@ -501,7 +509,7 @@ struct FourBit {
 struct EightQuads {
   IV quad[kQuads];
 };
-inline void decode_eight(const uint8_t* src, int, EightQuads& q) {
+inline void decode_quads(const uint8_t* src, int, EightQuads& q) {
   const IV offset = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int c = 0; c < kQuads; ++c) q.quad[c] = _mm512_xor_si512(load_bytes(src + 64 * c), offset);
 }
@@ -520,7 +528,7 @@ inline void offset_sums(const EightQuads&, const RowStep& step, IV (&sums)[2]) {
 struct EightQuads {
   IV magnitude[kQuads], sign[kQuads];
 };
-inline void decode_eight(const uint8_t* src, int part, EightQuads& q) {
+inline void decode_quads(const uint8_t* src, int part, EightQuads& q) {
   for (int c = 0; c < kQuads; ++c) {
     q.sign[c] = load_bytes(src + 64 * c + part * kQuadPartBytes);
     q.magnitude[c] = _mm256_abs_epi8(q.sign[c]);
@@ -534,15 +542,17 @@ inline void group_dots(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) 
 }
 inline void offset_sums(const EightQuads&, const RowStep&, IV (&sums)[2]) { sums[0] = sums[1] = splat_int(0); }
 
-// The 6-bit form (AVX2): a Q6_K weight's codes, within -32..31, stored as u = code + 32 in 6 bits and scaled as the
-// 8-bit form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low
-// 4 bits as the 4-bit form holds its codes (quad c in the low nibble of chunk c, quad c + 4 in the high one), chunk
-// 4 + p the high 2 bits of quads p, p + 2, p + 4, p + 6 at bits 0, 2, 4, 6. 384 bytes a step against the 8-bit
-// form's 512; and VPMADDUBSW takes u (at most 63) times a row's code as it is, each pair's sum within 2 * 63 * 127,
-// two quads' within 2^15, where the 8-bit form needs a sign product and a widening per quad. The offset is taken
-// back as the AVX-512 build takes its 128: each group's sum starts from -32 x the row's sum over it, so that every
-// integer sum equals the 8-bit form's and each (row, output) takes EightBit::finish's float32 operations: the same
-// bits as the same codes in the 8-bit form.
+#endif
+
+// The 6-bit form: a Q6_K weight's codes, within -32..31, stored as u = code + 32 in 6 bits and scaled as the 8-bit
+// form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low 4 bits
+// as the 4-bit form holds its codes (quad c in the low nibble of chunk c, quad c + 4 in the high one), chunk 4 + p
+// the high 2 bits of quads p, p + 2, p + 4, p + 6 at bits 0, 2, 4, 6: 384 bytes a step against the 8-bit form's 512.
+// u is unsigned as it is: VPDPBUSD's byte operand (AVX-512), or VPMADDUBSW's, times a row's code, each pair's sum
+// within 2 * 63 * 127 so that two quads' fit int16 (AVX2, where the 8-bit form needs a sign product and a widening
+// per quad). The offset is taken back as the AVX-512 build's 8-bit form takes back its 128: each group's sum starts
+// from -32 x the row's sum over it, so that every integer sum equals the 8-bit form's and each (row, output) takes
+// EightBit::finish's float32 operations: the same bits as the same codes in the 8-bit form, in either build.
 struct SixQuads {
   IV quad[kQuads];
 };
@@ -550,12 +560,11 @@ struct SixQuads {
 // the high 2 bits of quad q from its chunk's byte, in place (bits 4..5): 16-bit shifts move bits across bytes only
 // below bit 4 of a byte, which the mask clears
 inline IV high_bits(IV chunk, int q) {
-  const IV mask = _mm256_set1_epi8(0x30);
   switch (q / 2) {
-    case 0: return _mm256_and_si256(_mm256_slli_epi16(chunk, 4), mask);
-    case 1: return _mm256_and_si256(_mm256_slli_epi16(chunk, 2), mask);
-    case 2: return _mm256_and_si256(chunk, mask);
-    default: return _mm256_and_si256(_mm256_srli_epi16(chunk, 2), mask);
+    case 0: return bits_45(shifted_left<4>(chunk));
+    case 1: return bits_45(shifted_left<2>(chunk));
+    case 2: return bits_45(chunk);
+    default: return bits_45(shifted_right<2>(chunk));
   }
 }
 
@@ -563,15 +572,20 @@ inline IV high_bits(IV chunk, int q) {
 inline IV six_quad(const uint8_t* step, int c, int part) {
   const IV bytes = load_bytes(step + 64 * (c % 4) + part * kQuadPartBytes);
   const IV high = load_bytes(step + 64 * (4 + c % 2) + part * kQuadPartBytes);
-  return _mm256_or_si256(c < 4 ? low_nibbles(bytes) : high_nibbles(bytes), high_bits(high, c));
+  return either(c < 4 ? low_nibbles(bytes) : high_nibbles(bytes), high_bits(high, c));
 }
 
-inline void decode_six(const uint8_t* src, int part, SixQuads& q) {
+inline void decode_quads(const uint8_t* src, int part, SixQuads& q) {
   for (int c = 0; c < kQuads; ++c) q.quad[c] = six_quad(src, c, part);
 }
 
-// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`: two quads' pair sums in int16, then
-// widened
+// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`
+#if HIERSPEC_VNNI == 512
+inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
+  for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
+}
+#else
+// two quads' pair sums in int16, then widened
 inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; c += 2) {
     const IV pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.quad[c], splat_int(quad_of(codes, c))),
@@ -579,19 +593,21 @@ inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
     sums[c / 4] = _mm256_add_epi32(sums[c / 4], widened_pairs(pairs));
   }
 }
+#endif
 
 // the offset's take-back each group's sum starts from: -32 x the row's sum over the group (RowStep holds -128 x it)
 inline void offset_sums(const SixQuads&, const RowStep& step, IV (&sums)[2]) {
   sums[0] = splat_int(step.low / 4);
   sums[1] = splat_int(step.high / 4);
 }
-#endif
 
-// The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7).
-template <class Source>
+// The 8-bit form: step s of a block covers scale groups 2 s (quads 0..3) and 2 s + 1 (quads 4..7). With SixQuads and
+// 384 bytes a step, the 6-bit form (SixBit): its own layout and decoding (the SixQuads overloads of decode_quads,
+// group_dots and offset_sums), the 8-bit form's scales, sums and finish.
+template <class Source, class Q = EightQuads, int64_t StepBytes = 512>
 struct EightBit {
-  static constexpr int64_t kStepBytes = 512;
-  using Quads = EightQuads;
+  static constexpr int64_t kStepBytes = StepBytes;
+  using Quads = Q;
   struct Scales {
     FV low, high;
   };
@@ -603,7 +619,7 @@ struct EightBit {
     source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
   }
 
-  static void decode(const uint8_t* src, int part, Quads& quads) { decode_eight(src, part, quads); }
+  static void decode(const uint8_t* src, int part, Quads& quads) { decode_quads(src, part, quads); }
 
   // a row's integer sums of each group of the step's part, then (finish) their scaled float32 added to its
   // accumulator
@@ -611,8 +627,8 @@ struct EightBit {
     IV group[2];
   };
   static constexpr bool kSumsFirst = false;  // two vectors a row: 8 rows' would not fit in AVX2's registers
-  template <bool Two, class Q>  // Q: EightQuads, or the 6-bit form's SixQuads (SixBit)
-  static Sums sums(const Q& quads, const int8_t* codes, const RowStep& step) {
+  template <bool Two>
+  static Sums sums(const Quads& quads, const int8_t* codes, const RowStep& step) {
     // each group's dot of the high codes, and of the low ones (the last dot starting from the offset's take-back)
     Sums high;
     if constexpr (Two) {
@@ -637,21 +653,8 @@ struct EightBit {
   }
 };
 
-#if HIERSPEC_VNNI == 256
-// The 6-bit form: its own layout and decoding, the 8-bit form's scales, sums (through the SixQuads overloads of
-// group_dots and offset_sums) and finish.
 template <class Source>
-struct SixBit : EightBit<Source> {
-  static constexpr int64_t kStepBytes = 384;
-  using Quads = SixQuads;
-  using Sums = typename EightBit<Source>::Sums;
-
-  __attribute__((always_inline)) static void prefetch(const Source& source, int64_t block, int64_t s, bool once) {
-    source.prefetch(block, 2 * s, 2, 2 * (kPrefetchBytes / kStepBytes), once);
-  }
-  static void decode(const uint8_t* src, int part, Quads& quads) { decode_six(src, part, quads); }
-};
-#endif
+using SixBit = EightBit<Source, SixQuads, 384>;
 
 // A pass's accumulators (MT rows' outputs of a block, part by part) set to zero
 template <int MT>
@@ -911,11 +914,8 @@ void all_blocks(const Codes& w, const Source& source, bool eight, bool six, int6
                 int64_t rows, float* out) {
   at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
-#if HIERSPEC_VNNI == 256
       if (six) block_all_rows<Two, SixBit<Source>>(w, source, x, rows, block, out);
-      else
-#endif
-      if (eight) block_all_rows<Two, EightBit<Source>>(w, source, x, rows, block, out);
+      else if (eight) block_all_rows<Two, EightBit<Source>>(w, source, x, rows, block, out);
       else block_all_rows<Two, FourBit<Source>>(w, source, x, rows, block, out);
     }
   });
@@ -933,8 +933,6 @@ at::Tensor integer_product(const at::Tensor& x, const at::Tensor& codes, const a
   TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
-  TORCH_CHECK(!shape.six || vnni_width() == 256, "6-bit codes: the AVX2 build's form (int4_kernel.py packs them "
-                                                 "only there)");
   if (factored) check_factors(shape, scale, bias, units);
   else check_scales(shape, scale, bias);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;

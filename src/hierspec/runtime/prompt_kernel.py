@@ -106,7 +106,7 @@ def choose_prompt_kernel(seconds: dict[str, float]) -> str:
 
 
 def time_prompt_products(repeats: int = 9) -> dict[str, float]:
-    """Median seconds of one product of :data:`PROMPT_ROWS` rows by a random 4-bit weight of
+    """The fastest seconds of one product of :data:`PROMPT_ROWS` rows by a random 4-bit weight of
     :data:`~hierspec.runtime.int4_kernel.CHOICE_SHAPE`, expanded (as :func:`expanded_product_dtype` runs it) and as
     one-code integer products, interleaved (:func:`~hierspec.runtime.int4_kernel.time_kernels`)."""
     generator = torch.Generator().manual_seed(0)
