@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from hierspec.cli import main
 from tiny import make_model, make_tokenizer, save_model_dir
@@ -283,6 +284,16 @@ def test_calibrate_writes_a_curve_that_budget_auto_reads(capsys, model_dir, tmp_
     assert saved["magic"] == "hierspec-cost-curve" and saved["sizes"] == [1, 2, 3, 4]
     code, _, err = _run(capsys, "calibrate", "--model", model_dir, "--repeats", "0")
     assert code == 2 and "--repeats" in err
+
+
+def test_calibrate_retime_kernels_forgets_the_kept_choices_before_loading(capsys, model_dir, tmp_path, monkeypatch):
+    from hierspec.runtime import prompt_kernel
+
+    forgotten = []
+    monkeypatch.setattr(prompt_kernel, "forget_choices", lambda threads: forgotten.append(threads) or [tmp_path])
+    code, printed, _ = _run(capsys, "calibrate", "--model", model_dir, "--max-tokens", "2", "--context", "8",
+                            "--repeats", "1", "--out", str(tmp_path / "curve.json"), "--retime-kernels")
+    assert code == 0 and forgotten == [torch.get_num_threads()] and "1 kept choice(s) removed" in printed
 
 
 def test_draft_head_from_a_model_store_and_hd_with_it_matches_ar(capsys, model_dir, model_store_dir, tmp_path):

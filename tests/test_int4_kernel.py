@@ -3,6 +3,7 @@ row invariance, the per-CPU build key, the choice between it and PyTorch's kerne
 
 import dataclasses
 import functools
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -641,6 +642,26 @@ def test_kernel_timings_are_the_fastest_of_the_repeats_so_a_busy_machine_does_no
     timings = k.time_kernels({"tiles": tiles, "ints": ints}, 32, repeats=20, row_counts=(1,))
     assert timings == {"tiles": [pytest.approx(0.003)], "ints": [pytest.approx(0.005)]}
     assert k.choose_kernel(timings) == "tiles"
+
+
+def test_a_choice_timed_on_a_busy_machine_is_kept_with_a_warning_naming_the_remedy(tmp_path, monkeypatch, caplog):
+    assert k.busy_while_timing({"vnni8": [5.1e-3, 5.0e-3], "amx": [4.9e-3, 5.2e-3]})
+    assert not k.busy_while_timing({"vnni8": [5.1e-3, 5.0e-3], "torch": [8.0e-5, 9.0e-5]})  # one kernel ran freely
+    assert not k.busy_while_timing({})
+    monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
+    for busy, warned in ((True, True), (False, False)):
+        (tmp_path / "choice-t5.json").unlink(missing_ok=True)
+        monkeypatch.setattr(k, "time_kernels", lambda products, *args, **kwargs: {
+            name: [(5e-3 if busy else 5e-5) * (1 if name == "compiled" else 2)] * 2 for name in products})
+        q._timed_choice.cache_clear()
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger=q.__name__):
+                assert q._timed_choice(5, ("torch", "compiled")) == q.Int4Kernels("compiled", "compiled")
+        finally:
+            q._timed_choice.cache_clear()
+        assert k.read_choice(tmp_path / "choice-t5.json") == ("compiled", "compiled")  # kept either way
+        assert ("--retime-kernels" in caplog.text) is warned
 
 
 def test_auto_times_the_one_code_integer_products_beside_the_amx_tiles_and_never_the_two_code_ones(monkeypatch):

@@ -150,3 +150,16 @@ def test_a_crossover_file_that_cannot_be_read_is_timed_again_and_rewritten(short
     short_file.write_text(kept, encoding="utf-8")
     assert pk.timed_short_prompt_rows("k", 2, lambda rows, tree: 0.1 if tree else 0.2 * (rows <= 32)) == 32
     assert json.loads(short_file.read_text(encoding="utf-8"))["rows"] == 32
+
+
+def test_retiming_forgets_every_kept_choice_of_the_thread_count_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.setattr(int4_kernel, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
+    names = ["choice-t2.json", "prompt-choice-t2.json", "short-prompts-abc-t2.json", "short-prompts-def-t2.json",
+             "choice-t1.json", "prompt-choice-t1.json", "short-prompts-abc-t1.json", "kernel.so"]
+    for name in names:
+        (tmp_path / name).write_text("{}")
+    kept = pk.kept_choices(2)
+    assert sorted(p.name for p in kept) == sorted(names[:4])
+    assert sorted(p.name for p in pk.forget_choices(2)) == sorted(names[:4])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[4:])
+    assert pk.forget_choices(2) == []

@@ -651,6 +651,21 @@ def time_kernels(products: Mapping[str, Callable[[torch.Tensor], torch.Tensor]],
     return {name: [min(s) for s in per_rows] for name, per_rows in samples.items()}
 
 
+#: seconds above which even the fastest kernel's one-row product of :data:`CHOICE_SHAPE` (~1 MB of weights) says
+#: the machine was busy while the kernels were timed: idle CPUs took 0.03-0.3 ms; beside ``make stores`` on both
+#: cores every kernel took ~5 ms (forty-ninth session)
+BUSY_SECONDS = 2e-3
+
+
+def busy_while_timing(timings: Mapping[str, Sequence[float]]) -> bool:
+    """Whether :func:`time_kernels`' ``timings`` (one-row time first) show a machine kept busy by another process:
+    even the fastest kernel's one-row product took longer than :data:`BUSY_SECONDS`.
+
+    Example: ``busy_while_timing({"vnni8": [5.1e-3, 5.0e-3], "amx": [4.9e-3, 5.2e-3]})`` is ``True``.
+    """
+    return bool(timings) and min(times[0] for times in timings.values()) > BUSY_SECONDS
+
+
 def choice_path(threads: int) -> Path:
     """Where the automatic choice for ``threads`` threads is kept: beside this CPU's compiled kernel."""
     return build_directory() / f"choice-t{threads}.json"

@@ -90,6 +90,23 @@ def timed_prompt_choice(threads: int) -> str:
     return chosen
 
 
+def kept_choices(threads: int) -> list[Path]:
+    """Every timed choice kept beside the compiled kernel for ``threads`` threads: the int4 kernels', the prompt
+    products' and each model shape's short-prompt crossover."""
+    found = [int4_kernel.choice_path(threads), prompt_choice_path(threads)]
+    found += sorted(short_prompt_path("*", threads).parent.glob(short_prompt_path("*", threads).name))
+    return [path for path in found if path.is_file()]
+
+
+def forget_choices(threads: int) -> list[Path]:
+    """Remove :func:`kept_choices` (``hierspec calibrate --retime-kernels``), so that the next load times them
+    again; the paths removed. What this process has already chosen stays as it is."""
+    removed = kept_choices(threads)
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def read_prompt_choice(path: Path) -> str | None:
     """The prompt kernel a choice file names, or ``None`` when there is none or it cannot be read (timed again)."""
     data = int4_kernel.read_kept_choice(path, CHOICE_VERSION)
