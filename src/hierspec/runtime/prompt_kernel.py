@@ -93,8 +93,9 @@ def timed_prompt_choice(threads: int) -> str:
 def kept_choices(threads: int) -> list[Path]:
     """Every timed choice kept beside the compiled kernel for ``threads`` threads: the int4 kernels', the prompt
     products' and each model shape's short-prompt crossover."""
+    crossovers = short_prompt_path("*", threads)
     found = [int4_kernel.choice_path(threads), prompt_choice_path(threads)]
-    found += sorted(short_prompt_path("*", threads).parent.glob(short_prompt_path("*", threads).name))
+    found += sorted(crossovers.parent.glob(crossovers.name))
     return [path for path in found if path.is_file()]
 
 
