@@ -15,8 +15,8 @@
 //     32 s + 4 c + i; w = code scale with scale [1, N / 16, K / 16, 16]. VPDPBUSD runs them as unsigned bytes
 //     code + 128, each 16 inputs' sum of 128 x the row's codes taken back in int32; AVX2 as |code| times the row's
 //     code with the code's sign.
-//   6-bit (Q6_K's codes -32..31): codes uint8 [1, N / 16, K / 32, 6, 16, 4], code + 32 split into the 4-bit
-//     layout's nibbles (chunks 0..3) and two chunks of high bits (SixQuads below); scaled as 8-bit codes.
+//   6-bit (codes within -32..31: Q6_K's, Q5_0's): codes uint8 [1, N / 16, K / 32, 6, 16, 4], code + 32 split into
+//     the 4-bit layout's nibbles (chunks 0..3) and two chunks of high bits (SixQuads below); scaled as 8-bit codes.
 // A row's step (rounded_rows): x ~ e q with e = max |x| / 127 / 128 and q = 128 high + low; then for each output
 //   4-bit: y += e (scale sum(code q) + bias sum(q));  8-bit: y += e (scale_lo dot_lo + scale_hi dot_hi),
 // each integer sum as 128 times the high codes' dot plus the low codes' one.
@@ -517,8 +517,10 @@ inline void decode_quads(const uint8_t* src, int, EightQuads& q) {
   const IV offset = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int c = 0; c < kQuads; ++c) q.quad[c] = _mm512_xor_si512(load_bytes(src + 64 * c), offset);
 }
-// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`
-inline void group_dots(const EightQuads& q, const int8_t* codes, IV (&sums)[2]) {
+// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`: the 8-bit form's quads, or the 6-bit
+// form's (SixQuads, below), both VPDPBUSD's unsigned operand
+template <class Quads>
+inline void group_dots(const Quads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
 }
 // the offsets' take-back the low codes' sums start from: -128 x the sum of 128 high + low over each group
@@ -548,8 +550,8 @@ inline void offset_sums(const EightQuads&, const RowStep&, IV (&sums)[2]) { sums
 
 #endif
 
-// The 6-bit form: a Q6_K weight's codes, within -32..31, stored as u = code + 32 in 6 bits and scaled as the 8-bit
-// form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low 4 bits
+// The 6-bit form: codes within -32..31 (a Q6_K weight's, or a Q5_0 one's -16..15) stored as u = code + 32 in 6 bits
+// and scaled as the 8-bit form's (step s covers scale groups 2 s and 2 s + 1). A step's 6 chunks of 64 bytes: chunks 0..3 hold u's low 4 bits
 // as the 4-bit form holds its codes (quad c in the low nibble of chunk c, quad c + 4 in the high one), chunk 4 + p
 // the high 2 bits of quads p, p + 2, p + 4, p + 6 at bits 0, 2, 4, 6: 384 bytes a step against the 8-bit form's 512.
 // u is unsigned as it is: VPDPBUSD's byte operand (AVX-512), or VPMADDUBSW's, times a row's code, each pair's sum
@@ -583,13 +585,9 @@ inline void decode_quads(const uint8_t* src, int part, SixQuads& q) {
   for (int c = 0; c < kQuads; ++c) q.quad[c] = six_quad(src, c, part);
 }
 
-// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums`
-#if HIERSPEC_VNNI == 512
-inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
-  for (int c = 0; c < kQuads; ++c) sums[c / 4] = dot_quad(sums[c / 4], q.quad[c], quad_of(codes, c));
-}
-#else
-// two quads' pair sums in int16, then widened
+#if HIERSPEC_VNNI == 256
+// each group's dot (quads 0..3, then 4..7) of the row's codes, added to `sums` (AVX-512: the 8-bit form's
+// group_dots): two quads' pair sums in int16, then widened
 inline void group_dots(const SixQuads& q, const int8_t* codes, IV (&sums)[2]) {
   for (int c = 0; c < kQuads; c += 2) {
     const IV pairs = _mm256_add_epi16(_mm256_maddubs_epi16(q.quad[c], splat_int(quad_of(codes, c))),
