@@ -419,7 +419,7 @@ def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
         codes = torch.cat([codes for codes, _ in forms]).contiguous()
         scales = torch.cat([scales for _, scales in forms]).contiguous()
         if kernel in INTEGER_KERNELS:  # Q6_K's codes (-32..31) and Q5_0's (-16..15) in 6 bits where the kernel can
-            six_bit = int4_kernel.fits_six_bits(codes) and int4_kernel.six_bit_products(int4_kernel.loaded_kernel())
+            six_bit = int4_kernel.six_bit_products(int4_kernel.loaded_kernel()) and int4_kernel.fits_six_bits(codes)
             return int4_kernel.pack_vnni_int8(codes, scales, factors, one_code, six_bit=six_bit)
         return _EIGHT_BIT_PACKS[kernel](codes, scales)
     per_pass = [[passes[i] for passes in members] for i in range(depth)]
