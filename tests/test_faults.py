@@ -5,6 +5,7 @@ answer and never an outage."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
@@ -433,3 +434,19 @@ def test_a_full_disk_while_converting_a_gguf_file_is_an_os_error_and_leaves_no_t
         loading.convert_gguf(tmp_path / "model.gguf", out)
     assert is_storage_error(caught.value) and caught.value.errno == errno.ENOSPC
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_a_first_writer_file_appears_whole_once_and_a_later_writer_leaves_it_as_it_is(tmp_path, monkeypatch):
+    from hierspec.storage import write_json_first
+
+    path = tmp_path / "choice.json"
+    assert write_json_first(path, {"kernel": "first"}) is True
+    assert write_json_first(path, {"kernel": "second"}) is False
+    assert json.loads(path.read_text()) == {"kernel": "first"}
+    assert [p.name for p in tmp_path.iterdir()] == ["choice.json"]  # no temporary left by either call
+    # a file system without hard links: a file found there is still kept, a missing one still written
+    monkeypatch.setattr(os, "link", lambda src, dst: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    assert write_json_first(path, {"kernel": "third"}) is False
+    assert write_json_first(tmp_path / "other.json", {"kernel": "fourth"}) is True
+    assert json.loads((tmp_path / "other.json").read_text()) == {"kernel": "fourth"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["choice.json", "other.json"]

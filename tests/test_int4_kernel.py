@@ -624,6 +624,29 @@ def test_the_automatic_choice_is_kept_per_machine_and_read_back_without_timing(t
         q._timed_choice.cache_clear()
 
 
+def test_a_choice_another_process_kept_while_this_one_timed_is_the_one_this_process_runs(tmp_path, monkeypatch):
+    """Of two processes timing the kernels at once, the first to keep its choice wins and the other follows it; a
+    kept choice naming a kernel that cannot run here is replaced by this process's own."""
+    monkeypatch.setattr(k, "choice_path", lambda threads: tmp_path / f"choice-t{threads}.json")
+
+    def timed_beside(theirs):
+        def time_kernels(products, *args, **kwargs):
+            if theirs is not None:
+                k.write_choice(tmp_path / "choice-t6.json", *theirs, {})
+            return {name: [1.0 if name == "compiled" else 2.0] for name in products}
+        return time_kernels
+
+    for theirs, expected in ((("torch", "torch"), ("torch", "torch")), (("amx", "amx"), ("compiled", "compiled"))):
+        (tmp_path / "choice-t6.json").unlink(missing_ok=True)
+        monkeypatch.setattr(k, "time_kernels", timed_beside(theirs))
+        q._timed_choice.cache_clear()
+        try:
+            assert q._timed_choice(6, ("torch", "compiled")) == q.Int4Kernels(*expected)
+        finally:
+            q._timed_choice.cache_clear()
+        assert k.read_choice(tmp_path / "choice-t6.json") == expected
+
+
 def test_kernel_timings_are_the_fastest_of_the_repeats_so_a_busy_machine_does_not_pick_the_kernel(monkeypatch):
     """Another process on the same cores only adds time: "tiles" takes 3 ms but is held up 20 ms in 12 of 20 calls,
     "ints" always 5 ms. Medians would pick "ints" (and keep that choice for every later process); the fastest of the

@@ -163,3 +163,30 @@ def test_retiming_forgets_every_kept_choice_of_the_thread_count_and_nothing_else
     assert sorted(p.name for p in pk.forget_choices(2)) == sorted(names[:4])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[4:])
     assert pk.forget_choices(2) == []
+
+
+def test_a_choice_another_process_kept_while_this_one_timed_is_the_one_both_use(choice_file, monkeypatch):
+    """Two processes timing at once on a fresh machine: the one that keeps its choice first wins, and the other runs
+    with that choice instead of its own (otherwise it would read prompts unlike every later process)."""
+    theirs = {"version": pk.CHOICE_VERSION, "prompt_kernel": "expanded", "seconds": {"expanded": 1.0}}
+
+    def timed_beside_another_process():
+        choice_file.parent.mkdir(parents=True, exist_ok=True)
+        choice_file.write_text(json.dumps(theirs), encoding="utf-8")
+        return {"expanded": 3.0e-3, "vnni8": 1.0e-3}  # this process alone would pick vnni8
+
+    monkeypatch.setattr(pk, "time_prompt_products", timed_beside_another_process)
+    assert pk.resolve_prompt_kernel("auto", VNNI, threads=2) == "expanded"
+    assert json.loads(choice_file.read_text(encoding="utf-8")) == theirs
+
+
+def test_a_crossover_another_process_kept_while_this_one_timed_is_the_one_both_use(short_file):
+    theirs = {"version": pk.SHORT_CHOICE_VERSION, "rows": 16, "seconds": {}}
+
+    def time_prompt(rows, tree):
+        short_file.parent.mkdir(parents=True, exist_ok=True)
+        short_file.write_text(json.dumps(theirs), encoding="utf-8")
+        return 0.1 if tree else 0.2 * (rows <= 64)  # this process alone would choose 64
+
+    assert pk.timed_short_prompt_rows("k", 2, time_prompt) == 16
+    assert json.loads(short_file.read_text(encoding="utf-8")) == theirs

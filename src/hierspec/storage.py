@@ -49,6 +49,34 @@ def unwritable_reason(directory: str | Path) -> str | None:
     return None
 
 
+def write_json_first(path: Path, data) -> bool:
+    """Write JSON to ``path`` atomically unless a file is already there (kept as it is): whether this call wrote it.
+    The file appears whole or not at all (a temporary file hard-linked into place), so of two processes writing at
+    once exactly one wins and both can read its contents; where the file system has no hard links, a file found
+    there is kept and the last of two simultaneous writers wins."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(data, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if path.exists():
+                return False
+            os.replace(tmp, path)
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
     """``exc`` as an ``OSError`` naming ``path`` when it reports one: safetensors (Rust) raises its own error type
     with the system's ``(os error N)`` in the message, which would otherwise escape as a traceback."""

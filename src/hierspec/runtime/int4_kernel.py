@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from hierspec.paths import user_cache_dir
-from hierspec.storage import write_json_atomic
+from hierspec.storage import write_json_atomic, write_json_first
 
 log = logging.getLogger(__name__)
 
@@ -677,18 +677,25 @@ def choice_path(threads: int) -> Path:
 def read_choice(path: Path) -> tuple[str, str] | None:
     """The kernels a choice file names for 4-bit and 8-bit weights, or ``None`` when there is none or it cannot be
     read (they are then timed again)."""
-    data = read_kept_choice(path, CHOICE_VERSION)
+    return choice_names(read_kept_choice(path, CHOICE_VERSION))
+
+
+def choice_names(data: dict | None) -> tuple[str, str] | None:
+    """The 4-bit and 8-bit kernels a choice file's contents name, or ``None`` where they name no known kernel."""
     chosen = None if data is None else (data.get("four_bit"), data.get("eight_bit"))
     return chosen if chosen is not None and all(name in KERNELS for name in chosen) else None
 
 
-def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]]
-                 ) -> None:
-    """Keep the automatic choice (with the timings behind it, per form)."""
+def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]],
+                 candidates: Sequence[str] = KERNELS) -> tuple[str, str]:
+    """Keep the automatic choice (with the timings behind it, per form) unless another process kept one of
+    ``candidates`` first (:func:`keep_choice`): the 4-bit and 8-bit kernels to run with."""
     seconds = {form: {name: list(times) for name, times in per.items()} for form, per in timings.items()}
-    keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
-                       "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds},
-                "int4 kernel choice")
+    kept = keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
+                              "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds},
+                       "int4 kernel choice",
+                       lambda data: (names := choice_names(data)) is not None and set(names) <= set(candidates))
+    return choice_names(kept) or (four_bit, eight_bit)
 
 
 def read_kept_choice(path: Path, version: int) -> dict | None:
@@ -700,11 +707,22 @@ def read_kept_choice(path: Path, version: int) -> dict | None:
         return None
 
 
-def keep_choice(path: Path, data: dict, what: str) -> None:
-    """Write a choice file atomically beside the kernel; a disk that refuses the write only costs a timing at the
-    next load (said once, naming ``what``)."""
+def keep_choice(path: Path, data: dict, what: str, usable: Callable[[dict], bool]) -> dict:
+    """Keep a timed choice beside the kernel unless another process has kept a ``usable`` one there since this one
+    looked: the choice to run with, ``data`` or the other process's. Two processes timing at once (a fresh machine,
+    a server and a benchmark started together) could otherwise each run with its own choice while every later
+    process reads the last one written — different products, different outputs for the same prompt. A kept file that
+    is damaged or not ``usable`` (why this process timed) is replaced; a disk that refuses the write only costs a
+    timing at the next load (said once, naming ``what``)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if write_json_first(path, data):
+            return data
+        other = read_kept_choice(path, data["version"])
+        if other is not None and usable(other):
+            log.info("the %s kept by another process in %s is used instead of this one's timing", what, path)
+            return other
         write_json_atomic(path, data)
     except OSError as exc:
         log.warning("the %s cannot be kept in %s (%s); it is timed again at the next load", what, path, exc)
+    return data

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 
 #: ``RuntimeConfig.prompt_kernel`` values
 PROMPT_KERNELS = ("auto", "expanded", "vnni", "vnni8")
+#: what the automatic choice can pick
+PROMPT_CHOICES = ("expanded", "vnni8")
 #: rows the automatic choice times (a short prompt)
 PROMPT_ROWS = 128
 #: 1: the first choice file
@@ -85,9 +87,10 @@ def timed_prompt_choice(threads: int) -> str:
     chosen = choose_prompt_kernel(seconds)
     log.info("prompts read by the %s products (ms for %d rows: %s)", chosen, PROMPT_ROWS,
              ", ".join(f"{name} {t * 1e3:.2f}" for name, t in seconds.items()))
-    int4_kernel.keep_choice(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
-                            "shape": list(int4_kernel.CHOICE_SHAPE), "seconds": seconds}, "prompt kernel choice")
-    return chosen
+    kept = int4_kernel.keep_choice(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
+                                          "shape": list(int4_kernel.CHOICE_SHAPE), "seconds": seconds},
+                                   "prompt kernel choice", lambda data: data.get("prompt_kernel") in PROMPT_CHOICES)
+    return kept["prompt_kernel"]
 
 
 def kept_choices(threads: int) -> list[Path]:
@@ -112,7 +115,7 @@ def read_prompt_choice(path: Path) -> str | None:
     """The prompt kernel a choice file names, or ``None`` when there is none or it cannot be read (timed again)."""
     data = int4_kernel.read_kept_choice(path, CHOICE_VERSION)
     chosen = None if data is None else data.get("prompt_kernel")
-    return chosen if chosen in ("expanded", "vnni8") else None
+    return chosen if chosen in PROMPT_CHOICES else None
 
 
 def choose_prompt_kernel(seconds: dict[str, float]) -> str:
@@ -177,9 +180,8 @@ def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, 
     readings are interleaved, best of three, up to the first length the expanded weights read faster."""
     path = short_prompt_path(key, threads)
     kept = int4_kernel.read_kept_choice(path, SHORT_CHOICE_VERSION)
-    rows = None if kept is None else kept.get("rows")
-    if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0:
-        return rows
+    if kept is not None and _usable_rows(kept):
+        return kept["rows"]
     seconds: dict[int, tuple[float, float]] = {}
     time_prompt(SHORT_PROMPT_LENGTHS[0], True)  # untimed: both paths' weights read once (a first read faults pages)
     time_prompt(SHORT_PROMPT_LENGTHS[0], False)
@@ -191,7 +193,13 @@ def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, 
     rows = choose_short_prompt_rows(seconds)
     log.info("prompts of up to %d tokens read by the tree products, longer ones expanded (ms, tree / expanded: %s)",
              rows, ", ".join(f"{n}: {t * 1e3:.0f} / {e * 1e3:.0f}" for n, (t, e) in seconds.items()))
-    int4_kernel.keep_choice(path, {"version": SHORT_CHOICE_VERSION, "rows": rows,
-                                   "seconds": {str(n): list(pair) for n, pair in seconds.items()}},
-                            "short-prompt crossover")
-    return rows
+    kept = int4_kernel.keep_choice(path, {"version": SHORT_CHOICE_VERSION, "rows": rows,
+                                          "seconds": {str(n): list(pair) for n, pair in seconds.items()}},
+                                   "short-prompt crossover", _usable_rows)
+    return kept["rows"]
+
+
+def _usable_rows(data: dict) -> bool:
+    """Whether a kept short-prompt file names a prompt length (a count of rows, 0 or more)."""
+    rows = data.get("rows")
+    return isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0

@@ -514,7 +514,9 @@ def _timed_choice(threads: int, candidates: tuple[str, ...]) -> Int4Kernels:
         log.info("int4 path, %s weights: the %s kernel (ms at %s rows: %s)", form.replace("_", "-"), chosen[form],
                  "/".join(map(str, int4_kernel.CHOICE_ROWS)), "; ".join(
                      f"{name} " + "/".join(f"{t * 1e3:.3f}" for t in times) for name, times in timings[form].items()))
-    int4_kernel.write_choice(path, chosen["four_bit"], chosen["eight_bit"], timings)
+    kept = int4_kernel.write_choice(path, chosen["four_bit"], chosen["eight_bit"], timings, candidates)
+    if kept != (chosen["four_bit"], chosen["eight_bit"]):
+        return Int4Kernels(*kept)
     if int4_kernel.busy_while_timing(timings["four_bit"]):
         log.warning("the int4 kernels were timed while this machine was busy (the fastest took %.2f ms for a product "
                     "an idle CPU runs in well under 1 ms), so the kept choice may be a slow one; run `hierspec "
