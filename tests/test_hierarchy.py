@@ -156,7 +156,7 @@ def test_frequent_rows_rank_as_np_unique_did(rows, limit, min_count):
     assert all(row.dtype == np.int64 for row, _ in found)
 
 
-@pytest.mark.parametrize("option", ["order=cx", "order=cc", "n=0", "s_min_share=2", "l=0"])
+@pytest.mark.parametrize("option", ["order=cx", "order=cc", "n=0", "s_min_share=2", "l=0", "a_len=0"])
 def test_bad_options_are_refused(option):
     target = make_target("llama", vocab_size=32, seed=4)
     with pytest.raises(InputError, match="order|must|share|>="):
@@ -280,3 +280,16 @@ def test_bench_warms_up_on_a_prompt_outside_the_questions():
 
     questions = load_questions(Path(__file__).parents[1] / "data" / "spec_bench_dev.jsonl")
     assert all(WARM_UP_PROMPT not in turn for question in questions for turn in question.turns)
+
+
+def test_longest_match_sources_draft_a_len_tokens_and_the_others_m():
+    """Where the text repeats itself, the automaton's continuation runs ``a_len`` deep while the context database's
+    stops at ``m``; a fixed tree keeps every sequence at ``m``."""
+    text = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], dtype=np.int64)
+    drafter = HierarchyDrafter(HierarchyConfig(l=1, m=2, a_len=5, order="ac"))
+    drafter.begin(text)
+    found = {candidate.source: candidate.tokens for candidate in drafter.candidates(text)}
+    assert found == {"automaton": (3, 4, 5, 6, 7), "context": (3, 4)}
+    fixed = HierarchyDrafter(HierarchyConfig(l=1, m=2, a_len=5, n=1, order="ac", tree="fixed"))
+    fixed.begin(text)
+    assert [list(seq) for seq in fixed.collect(text)[0]] == [[3, 4]]
