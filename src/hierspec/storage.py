@@ -54,13 +54,8 @@ def write_json_first(path: Path, data) -> bool:
     The file appears whole or not at all (a temporary file hard-linked into place), so of two processes writing at
     once exactly one wins and both can read its contents; where the file system has no hard links, a file found
     there is kept and the last of two simultaneous writers wins."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = _json_beside(path, data)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -92,6 +87,17 @@ def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON through a temporary file renamed into place; a failed write leaves neither a partial file nor
     the temporary one."""
+    tmp = _json_beside(path, data)
+    try:
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _json_beside(path: Path, data) -> str:
+    """``data`` as JSON in a new temporary file beside ``path``, flushed to the disk: its name (removed again when
+    the write fails)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -99,7 +105,7 @@ def write_json_atomic(path: Path, data) -> None:
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
