@@ -108,7 +108,8 @@ class HierarchyConfig:
             the others', and theirs too in a fixed tree):
             their continuations are accepted deep where the text repeats itself, and the scored tree keeps a deep
             node only where its learned rate pays (12 against 6, one run each, interleaved: SmolLM2 on 65 dev
-            questions MAT 3.13 → 3.54 at 512 tokens and 2.19 → 2.27 at 128, 1.270x → 1.305x ``ar``;
+            questions MAT 3.13 → 3.54 at 512 tokens; at 128 2.19 → 2.27, 1.270x → 1.305x ``ar``, within the
+            spread of repeated runs;
             Qwen2.5-Coder-1.5B with its 0.5B draft on 12 HumanEval problems MAT 4.77 → 5.24, 1.806x → 1.851x;
             BENCHMARKS.md, "Fiftieth session").
         a_min_match: shortest context match the ``a`` source drafts from.
