@@ -192,7 +192,8 @@ class HierarchyConfig:
             raise InputError("hd needs a_min_match, o_min_match >= 1, o_max_tokens >= 2 and match_depth >= 0")
         if min(self.candidates, self.t_k, self.t_width, self.flush_every, self.h_width, self.h_gate) < 1:
             raise InputError("hd needs candidates, t_k, t_width, flush_every, h_width and h_gate >= 1")
-        if min(self.l, self.m, self.a_len, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min, self.s_k) < 1:
+        if min(self.l, self.m, self.a_len, self.n, self.top_k, self.recycle_topk, self.min_count, self.s_n_min,
+               self.s_k) < 1:
             raise InputError("hd needs l, m, a_len, n, top_k, recycle_topk, min_count, s_n_min and s_k >= 1")
         if not self.order or set(self.order) - set(SOURCE_NAMES) or len(set(self.order)) != len(self.order):
             raise InputError(f"hd order {self.order!r}: use each of the letters {', '.join(SOURCE_NAMES)} at most "

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -49,6 +50,9 @@ from hierspec.paths import user_cache_dir
 from hierspec.storage import write_json_atomic, write_json_first
 
 log = logging.getLogger(__name__)
+
+#: what a kept choice file stands for (:func:`keep_choice`)
+Kept = TypeVar("Kept")
 
 #: the integer (VNNI) products with rows as two codes and as one (the longest to compile: first), the Python
 #: bindings, the product (``int4_kernel.cpp``), the layer halves around attention (``int4_blocks.cpp``), the AMX and
@@ -674,16 +678,17 @@ def choice_path(threads: int) -> Path:
     return build_directory() / f"choice-t{threads}.json"
 
 
-def read_choice(path: Path) -> tuple[str, str] | None:
-    """The kernels a choice file names for 4-bit and 8-bit weights, or ``None`` when there is none or it cannot be
-    read (they are then timed again)."""
-    return choice_names(read_kept_choice(path, CHOICE_VERSION))
+def read_choice(path: Path, candidates: Sequence[str] = KERNELS) -> tuple[str, str] | None:
+    """The kernels a choice file names for 4-bit and 8-bit weights, or ``None`` when there is none, it cannot be
+    read or it names a kernel outside ``candidates`` (they are then timed again)."""
+    return choice_names(read_kept_choice(path, CHOICE_VERSION), candidates)
 
 
-def choice_names(data: dict | None) -> tuple[str, str] | None:
-    """The 4-bit and 8-bit kernels a choice file's contents name, or ``None`` where they name no known kernel."""
+def choice_names(data: dict | None, candidates: Sequence[str] = KERNELS) -> tuple[str, str] | None:
+    """The 4-bit and 8-bit kernels a choice file's contents name, or ``None`` where either is not among
+    ``candidates``."""
     chosen = None if data is None else (data.get("four_bit"), data.get("eight_bit"))
-    return chosen if chosen is not None and all(name in KERNELS for name in chosen) else None
+    return chosen if chosen is not None and all(name in candidates for name in chosen) else None
 
 
 def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str, Mapping[str, Sequence[float]]],
@@ -691,11 +696,9 @@ def write_choice(path: Path, four_bit: str, eight_bit: str, timings: Mapping[str
     """Keep the automatic choice (with the timings behind it, per form) unless another process kept one of
     ``candidates`` first (:func:`keep_choice`): the 4-bit and 8-bit kernels to run with."""
     seconds = {form: {name: list(times) for name, times in per.items()} for form, per in timings.items()}
-    kept = keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
+    return keep_choice(path, {"version": CHOICE_VERSION, "four_bit": four_bit, "eight_bit": eight_bit,
                               "rows": list(CHOICE_ROWS), "shape": list(CHOICE_SHAPE), "seconds": seconds},
-                       "int4 kernel choice",
-                       lambda data: (names := choice_names(data)) is not None and set(names) <= set(candidates))
-    return choice_names(kept) or (four_bit, eight_bit)
+                       "int4 kernel choice", lambda data: choice_names(data, candidates))
 
 
 def read_kept_choice(path: Path, version: int) -> dict | None:
@@ -707,22 +710,22 @@ def read_kept_choice(path: Path, version: int) -> dict | None:
         return None
 
 
-def keep_choice(path: Path, data: dict, what: str, usable: Callable[[dict], bool]) -> dict:
-    """Keep a timed choice beside the kernel unless another process has kept a ``usable`` one there since this one
-    looked: the choice to run with, ``data`` or the other process's. Two processes timing at once (a fresh machine,
-    a server and a benchmark started together) could otherwise each run with its own choice while every later
-    process reads the last one written — different products, different outputs for the same prompt. A kept file that
-    is damaged or not ``usable`` (why this process timed) is replaced; a disk that refuses the write only costs a
-    timing at the next load (said once, naming ``what``)."""
+def keep_choice(path: Path, data: dict, what: str, parse: Callable[[dict | None], Kept | None]) -> Kept:
+    """Keep a timed choice beside the kernel unless another process has kept a usable one there since this one
+    looked: the choice to run with, ``parse`` (a file's contents → the choice, or ``None`` where unusable) of the
+    other process's file or of ``data``. Two processes timing at once (a fresh machine, a server and a benchmark
+    started together) could otherwise each run with its own choice while every later process reads the last one
+    written — different products, different outputs for the same prompt. A kept file that is damaged or unusable
+    (why this process timed) is replaced; a disk that refuses the write only costs a timing at the next load (said
+    once, naming ``what``)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if write_json_first(path, data):
-            return data
-        other = read_kept_choice(path, data["version"])
-        if other is not None and usable(other):
-            log.info("the %s kept by another process in %s is used instead of this one's timing", what, path)
-            return other
-        write_json_atomic(path, data)
+        if not write_json_first(path, data):
+            other = parse(read_kept_choice(path, data["version"]))
+            if other is not None:
+                log.info("the %s kept by another process in %s is used instead of this one's timing", what, path)
+                return other
+            write_json_atomic(path, data)
     except OSError as exc:
         log.warning("the %s cannot be kept in %s (%s); it is timed again at the next load", what, path, exc)
-    return data
+    return parse(data)

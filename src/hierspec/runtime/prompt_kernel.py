@@ -87,10 +87,9 @@ def timed_prompt_choice(threads: int) -> str:
     chosen = choose_prompt_kernel(seconds)
     log.info("prompts read by the %s products (ms for %d rows: %s)", chosen, PROMPT_ROWS,
              ", ".join(f"{name} {t * 1e3:.2f}" for name, t in seconds.items()))
-    kept = int4_kernel.keep_choice(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
+    return int4_kernel.keep_choice(path, {"version": CHOICE_VERSION, "prompt_kernel": chosen, "rows": PROMPT_ROWS,
                                           "shape": list(int4_kernel.CHOICE_SHAPE), "seconds": seconds},
-                                   "prompt kernel choice", lambda data: data.get("prompt_kernel") in PROMPT_CHOICES)
-    return kept["prompt_kernel"]
+                                   "prompt kernel choice", prompt_choice_in)
 
 
 def kept_choices(threads: int) -> list[Path]:
@@ -113,7 +112,11 @@ def forget_choices(threads: int) -> list[Path]:
 
 def read_prompt_choice(path: Path) -> str | None:
     """The prompt kernel a choice file names, or ``None`` when there is none or it cannot be read (timed again)."""
-    data = int4_kernel.read_kept_choice(path, CHOICE_VERSION)
+    return prompt_choice_in(int4_kernel.read_kept_choice(path, CHOICE_VERSION))
+
+
+def prompt_choice_in(data: dict | None) -> str | None:
+    """The prompt kernel a choice file's contents name, or ``None`` where they name none the choice can pick."""
     chosen = None if data is None else data.get("prompt_kernel")
     return chosen if chosen in PROMPT_CHOICES else None
 
@@ -179,9 +182,9 @@ def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, 
     ``time_prompt(length, tree)``: seconds of one reading; after one untimed reading by each path, each length's two
     readings are interleaved, best of three, up to the first length the expanded weights read faster."""
     path = short_prompt_path(key, threads)
-    kept = int4_kernel.read_kept_choice(path, SHORT_CHOICE_VERSION)
-    if kept is not None and _usable_rows(kept):
-        return kept["rows"]
+    kept = _kept_rows(int4_kernel.read_kept_choice(path, SHORT_CHOICE_VERSION))
+    if kept is not None:
+        return kept
     seconds: dict[int, tuple[float, float]] = {}
     time_prompt(SHORT_PROMPT_LENGTHS[0], True)  # untimed: both paths' weights read once (a first read faults pages)
     time_prompt(SHORT_PROMPT_LENGTHS[0], False)
@@ -193,13 +196,12 @@ def timed_short_prompt_rows(key: str, threads: int, time_prompt: Callable[[int, 
     rows = choose_short_prompt_rows(seconds)
     log.info("prompts of up to %d tokens read by the tree products, longer ones expanded (ms, tree / expanded: %s)",
              rows, ", ".join(f"{n}: {t * 1e3:.0f} / {e * 1e3:.0f}" for n, (t, e) in seconds.items()))
-    kept = int4_kernel.keep_choice(path, {"version": SHORT_CHOICE_VERSION, "rows": rows,
+    return int4_kernel.keep_choice(path, {"version": SHORT_CHOICE_VERSION, "rows": rows,
                                           "seconds": {str(n): list(pair) for n, pair in seconds.items()}},
-                                   "short-prompt crossover", _usable_rows)
-    return kept["rows"]
+                                   "short-prompt crossover", _kept_rows)
 
 
-def _usable_rows(data: dict) -> bool:
-    """Whether a kept short-prompt file names a prompt length (a count of rows, 0 or more)."""
-    rows = data.get("rows")
-    return isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0
+def _kept_rows(data: dict | None) -> int | None:
+    """The prompt length (a count of rows, 0 or more) a short-prompt file's contents name, else ``None``."""
+    rows = None if data is None else data.get("rows")
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0 else None

@@ -498,8 +498,8 @@ def _timed_choice(threads: int, candidates: tuple[str, ...]) -> Int4Kernels:
     (a fresh timing could flip between two close kernels and, with it, the last bits of every product). The 8-bit
     form is timed as a ``Q6_K`` weight (four passes for PyTorch's kernel)."""
     path = int4_kernel.choice_path(threads)
-    kept = int4_kernel.read_choice(path)
-    if kept is not None and all(name in candidates for name in kept):
+    kept = int4_kernel.read_choice(path, candidates)
+    if kept is not None:
         return Int4Kernels(*kept)
     generator = torch.Generator().manual_seed(0)
     out_features, in_features = int4_kernel.CHOICE_SHAPE
