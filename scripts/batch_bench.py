@@ -27,7 +27,7 @@ from hierspec.bench.questions import load_questions, select_questions
 from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.gc_pauses import freeze_long_lived
 from hierspec.machine import cpu_info, gpu_name
-from hierspec.methods import DrafterContext, make_drafter
+from hierspec.methods import DrafterContext, make_drafter, split_methods
 
 
 def run_level(model, context, method: str, prompts: list[list[int]], concurrency: int, config: GenerationConfig,
@@ -77,7 +77,7 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     freeze_long_lived()  # no full collection walks the loaded model mid-step (gc_pauses.py)
     levels = [int(c) for c in args.concurrency.split(",")]
-    methods = args.methods.split(",")
+    methods = split_methods(args.methods)
     rows = []
     for concurrency in levels:
         for method in methods:

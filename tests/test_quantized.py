@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from hierspec.batching import BatchConfig, decode_batch
+from hierspec.calibration import machine_identity
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
@@ -16,6 +17,7 @@ from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.runtime import RuntimeConfig, onednn, prompt_kernel
 from hierspec.runtime import quantized as q
+from hierspec.runtime.int4_kernel import pack_vnni
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
@@ -124,14 +126,36 @@ def test_a_weight_of_more_than_4_bits_requantizes_to_one_4_bit_pass_within_half_
     exact = sum(p.dequantize() for p in passes)
     (one,) = q.requantize_4bit(passes)
     assert one.codes.dtype == torch.uint8 and one.codes.shape == (48, 512) and int(one.codes.max()) <= 15
-    for part in (one.scales, one.zeros):  # float16 values, as Q4_1 stores them (the kernels' half-width scales)
+    minimum = one.zeros - 8 * one.scales  # the value at code 0
+    for part in (one.scales, minimum):  # float16 values, as Q4_1 stores them (the kernels' half-width scales)
         assert part.shape == (48, 16) and torch.equal(part.to(torch.float16).to(torch.float32), part)
+    packed = pack_vnni([one.codes], [one.scales], [one.zeros])
+    assert packed.scales.dtype == packed.bias.dtype == torch.float16  # 20 bytes a group and output, not 24
     error = (one.dequantize() - exact).abs().reshape(48, 16, 32)
     assert (error <= one.scales[..., None] / 2 * (1 + 1e-5) + 1e-7).all()
     assert (one.scales >= 0).all() and one.scales.mean() < exact.abs().mean()  # a step is a fraction of the weights
     four_bit = q.decode_blocks("Q4_1", quantize(values, GGMLQuantizationType.Q4_1), 48, 512)
     kept = q.requantize_4bit(four_bit)
     assert len(kept) == 1 and kept[0] is four_bit[0]  # already 4 bits: as stored
+
+
+def test_requantized_groups_keep_float16_minimums_that_survive_the_folded_offset():
+    """A group whose minimum lies much nearer zero than its step (the sum ``b + 8 d`` would drop the minimum's low
+    bits) still gets a float16 minimum ``b`` and step ``d`` with ``(b + 8 d) - 8 d == b`` exactly in float32."""
+    low = torch.tensor([1e-4, -1e-4, 1000.0, -0.3, 0.25])
+    high = torch.tensor([8.0, 8.0, 1000.001, 0.4, 0.25])
+    plain = q._float16_at_most(low)
+    assert ((plain + 8 * q._float16_at_least((high - plain) / 15)) - 8 * q._float16_at_least((high - plain) / 15)
+            != plain)[:2].all()  # the first two groups need the move
+    bias, step = q._float16_grid(low, high)
+    assert torch.equal((bias + 8 * step) - 8 * step, bias)
+    for part in (bias, step):
+        assert torch.equal(part.half().float(), part)
+    assert (bias <= low).all() and (bias + 15 * step >= high).all() and (step >= 0).all()
+    assert bias[0] == 0 and step[0] == q._float16_at_least(torch.tensor(8.0 / 15))  # moved down to zero
+    assert bias[1] == -q._float16_at_least(torch.tensor(8.0001 / 15))  # moved down one step (the step chosen first)
+    assert bias[2] == 1000 and bias[3] == plain[3] and step[3] == q._float16_at_least((0.4 - plain[3]) / 15)
+    assert step[4] == 0 and bias[4] == 0.25  # a constant group
 
 
 def test_a_q6_k_pass_decodes_the_other_half_of_each_group_to_exact_zeros_in_the_kernel():
@@ -510,6 +534,9 @@ def test_a_draft_models_8_bit_weights_are_requantized_to_4_bits_at_load_and_no_o
     assert draft.runtime.requantized == (requantize == "4bit")
     # another model than the file's: its cost curve is its own
     assert draft.name == ("tiny-draft, requantized to 4 bits" if requantize == "4bit" else "tiny-draft")
+    identity = machine_identity(draft)  # a new rounding of the weights is measured again
+    assert identity.get("requantized") == (q.REQUANTIZED_CACHE_VERSION if requantize == "4bit" else None)
+    assert "requantized" not in machine_identity(target)
     prompt, config = [4, 8, 15, 16, 23, 42, 4, 8, 15], GenerationConfig(max_new_tokens=30, stop_at_eos=False)
     reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
     result = SpeculativeDecoder(target, make_drafter("sd:draft=tiny-draft,k=4,budget=off", context)).generate(
@@ -593,7 +620,7 @@ def test_decoded_weights_are_cached_beside_the_file_and_a_damaged_cache_is_rebui
     third, _ = q.load_gguf_weights(path, model.config, cache_dir)
     assert "rebuilding the damaged int4 weight cache" in caplog.text
     assert torch.equal(third["lm_head"][0].codes, first["lm_head"][0].codes)
-    assert q._read_cache(cache)  # rewritten whole
+    assert q._read_cache(cache, str(q.CACHE_VERSION))  # rewritten whole
     assert not list(cache_dir.glob("*.tmp"))
     caplog.clear()
     data = bytearray(cache.read_bytes())  # bytes flipped inside a tensor: still a readable safetensors file
@@ -625,6 +652,25 @@ def test_weights_requantized_to_4_bits_are_cached_in_a_file_of_their_own(tmp_pat
         assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales) and torch.equal(a.zeros, b.zeros)
     again, _ = q.load_gguf_weights(path, model.config, cache_dir)  # the file's own cache untouched
     assert torch.equal(again["lm_head"][1].codes, plain["lm_head"][1].codes)
+
+
+def test_a_cache_of_another_format_version_is_rebuilt_without_calling_it_damaged(tmp_path, caplog, monkeypatch):
+    """Each cache file carries its own format version: a new version of the rounded (draft) weights rebuilds only
+    that file, and says why at INFO level rather than warning of damage."""
+    model, path = _tiny(tmp_path, layer_kind="Q8_0")
+    cache_dir = tmp_path / "converted"
+    cache_dir.mkdir()
+    q.load_gguf_weights(path, model.config, cache_dir)
+    q.load_gguf_weights(path, model.config, cache_dir, requantize=True)
+    plain_bytes = (cache_dir / q.CACHE_FILE).read_bytes()
+    monkeypatch.setattr(q, "REQUANTIZED_CACHE_VERSION", q.REQUANTIZED_CACHE_VERSION + 1)
+    caplog.set_level("INFO", logger=q.log.name)
+    rounded, _ = q.load_gguf_weights(path, model.config, cache_dir, requantize=True)
+    assert "rebuilding the int4 weight cache" in caplog.text and "format version" in caplog.text
+    assert "damaged" not in caplog.text
+    assert q._read_cache(cache_dir / q.REQUANTIZED_CACHE_FILE, str(q.REQUANTIZED_CACHE_VERSION))
+    assert (cache_dir / q.CACHE_FILE).read_bytes() == plain_bytes  # the file's own cache kept as it was
+    assert all(len(passes) == 1 for passes in rounded.values())
 
 
 def test_a_k_quant_files_scale_factors_are_cached_with_its_passes(tmp_path):

@@ -32,6 +32,7 @@ from hierspec.loading import user_cache_dir
 from hierspec.machine import cpu_info, gpu_name
 from hierspec.runtime import int4_kernel
 from hierspec.runtime.inputs import bucket_for
+from hierspec.runtime.quantized import REQUANTIZED_CACHE_VERSION
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 
@@ -119,7 +120,13 @@ def machine_identity(target: TargetModel) -> dict:
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
             "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.cache_dtype).replace("torch.", ""),
-            **_int4_kernels(target)}
+            **_int4_kernels(target), **_requantized(target)}
+
+
+def _requantized(target: TargetModel) -> dict:
+    """For weights rounded to 4 bits (a draft model's), their format's version: another rounding is another model
+    with another curve. Nothing for weights as stored (their curves' identity is unchanged)."""
+    return {"requantized": REQUANTIZED_CACHE_VERSION} if target.runtime.requantized else {}
 
 
 def _int4_kernels(target: TargetModel) -> dict:

@@ -67,6 +67,9 @@ REQUANTIZED_CACHE_FILE = "int4-weights-4bit.safetensors"
 CACHE_MAGIC = "hierspec-int4-weights"
 #: 2: K-quant weights' scale factors (``Int4Weight.factors``) kept beside their passes
 CACHE_VERSION = 2
+#: the version of the weights rounded to 4 bits (:data:`REQUANTIZED_CACHE_FILE`): 3, their minimums float16
+#: (:func:`requantize_4bit`)
+REQUANTIZED_CACHE_VERSION = 3
 #: the kernel packs output rows in tiles of this many
 ROW_MULTIPLE = 16
 #: the kernel's activation, scale and output dtype on the CPU (float32 activations run ~20x slower there)
@@ -178,12 +181,15 @@ def quantize_q8_0(weight: torch.Tensor) -> list[Int4Weight]:
 
 def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
     """A weight of more than 4 bits (``Q8_0``, ``Q5_0``, ``Q6_K``: several passes) rounded to one 4-bit pass with a
-    float16 scale and offset per 32 inputs, as ``Q4_1`` stores them — for a draft model, whose weights decide only
+    float16 scale and minimum per 32 inputs, as ``Q4_1`` stores them — for a draft model, whose weights decide only
     what is proposed, never what is output; a 4-bit weight (one pass) is returned as it is.
 
-    ``w = (code - 8) * d + z``: ``z`` is the group's value at code 8 (8/15 of the way up its range) and ``d`` the
-    smallest float16 step with which codes 0..15 span the range from ``z``, so every element lands within ``d / 2``
-    of its value and no code is clipped."""
+    ``w = code * d + b``: ``b`` is the largest float16 at or below the group's least value and ``d`` the smallest
+    float16 step with which codes 0..15 reach its greatest, so every element lands within ``d / 2`` of its value and
+    no code is clipped. The pass's ``zeros`` (``b + 8 d``) give ``b`` back exactly in float32, so the kernels' packing
+    stores both per-group values as float16 (:func:`~hierspec.runtime.int4_kernel.pack_vnni`): 20 bytes a group and
+    output instead of 24 with float32 ones (the 0.5B draft's products 0.93x the time at one row, BENCHMARKS.md,
+    "Fifty-first session")."""
     if len(passes) == 1:
         return list(passes)
     weight = passes[0].dequantize()
@@ -191,16 +197,30 @@ def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
         weight += other.dequantize()
     groups = weight.reshape(weight.shape[0], -1, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    middle = _float16_values(low + (high - low) * (8 / 15))
-    step = _float16_at_least(torch.maximum((high - middle) / 7, (middle - low) / 8))
-    codes = torch.round((groups - middle[..., None]) / torch.where(step > 0, step, 1.0)[..., None]) + 8
+    bias, step = _float16_grid(low, high)
+    codes = torch.round((groups - bias[..., None]) / torch.where(step > 0, step, 1.0)[..., None])
     codes = codes.clamp(0, 15).to(torch.uint8).reshape(weight.shape)
-    return [Int4Weight(codes.contiguous(), step.contiguous(), middle.contiguous())]
+    return [Int4Weight(codes.contiguous(), step.contiguous(), (bias + 8 * step).contiguous())]
 
 
-def _float16_values(values: torch.Tensor) -> torch.Tensor:
-    """float32 ``values`` rounded to the nearest float16."""
-    return values.to(torch.float16).to(torch.float32)
+def _float16_grid(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's float16 minimum ``b <= low`` and step ``d`` with ``b + 15 d >= high``, chosen so that
+    ``(b + 8 d) - 8 d == b`` in float32: a minimum much nearer zero than a step (whose low bits the sum would drop)
+    moves down to a whole number of steps, ``-d`` or 0. Where ``|b| >= d`` the difference always gives ``b`` back."""
+    bias = _float16_at_most(low)
+    step = _float16_at_least((high - bias) / 15)
+    small = ((bias + 8 * step) - 8 * step != bias) & (bias.abs() < step)
+    if bool(small.any()):
+        bias = torch.where(small, torch.floor(low / step) * step, bias)
+        step = torch.where(small, _float16_at_least((high - bias) / 15), step)
+    return bias, step
+
+
+def _float16_at_most(values: torch.Tensor) -> torch.Tensor:
+    """The largest float16 at or below each float32 value (within float16's range)."""
+    rounded = values.to(torch.float16)
+    above = rounded.to(torch.float32) > values
+    return torch.where(above, torch.nextafter(rounded, torch.full_like(rounded, -torch.inf)), rounded).to(torch.float32)
 
 
 def _float16_at_least(values: torch.Tensor) -> torch.Tensor:
@@ -543,34 +563,45 @@ def load_gguf_weights(path: str | Path, config, cache_dir: str | Path | None = N
     (rounding a 0.5B model's takes several seconds). A cache that does not match its checksum or cannot be read is
     rebuilt; one that cannot be written is skipped with a log line."""
     cache = None if cache_dir is None else Path(cache_dir) / (REQUANTIZED_CACHE_FILE if requantize else CACHE_FILE)
+    version = str(REQUANTIZED_CACHE_VERSION if requantize else CACHE_VERSION)
     if cache is not None and cache.is_file():
         from safetensors import SafetensorError
 
         try:
             problem = checksums.damage(cache.parent, [cache.name])
             if problem is None:
-                return _read_cache(cache), None
+                return _read_cache(cache, version), None
+        except _OtherVersion as exc:
+            log.info("rebuilding the int4 weight cache %s (%s)", cache, exc)
+            problem = None
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
             problem = str(exc)
-        log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, problem)
+        if problem is not None:
+            log.warning("rebuilding the damaged int4 weight cache %s (%s)", cache, problem)
     if requantize:
         weights, reason = load_gguf_weights(path, config, cache_dir)
         weights = None if weights is None else {module: requantize_4bit(passes) for module, passes in weights.items()}
     else:
         weights, reason = read_gguf_weights(path, config)
     if weights is not None and cache is not None:
-        _write_cache(cache, weights)
+        _write_cache(cache, weights, version)
     return weights, reason
 
 
-def _read_cache(cache: Path) -> dict[str, list[Int4Weight]]:
+class _OtherVersion(ValueError):
+    """A cache another version of hierspec wrote: rebuilt, not damaged."""
+
+
+def _read_cache(cache: Path, version: str) -> dict[str, list[Int4Weight]]:
     from safetensors import safe_open
 
     weights: dict[str, list[Int4Weight]] = {}
     with safe_open(str(cache), framework="pt") as handle:
         meta = handle.metadata() or {}
-        if meta.get("magic") != CACHE_MAGIC or meta.get("version") != str(CACHE_VERSION):
-            raise ValueError("not a hierspec int4 cache of this version")
+        if meta.get("magic") != CACHE_MAGIC:
+            raise ValueError("not a hierspec int4 cache")
+        if meta.get("version") != version:
+            raise _OtherVersion(f"format version {meta.get('version')}, this hierspec writes {version}")
         names = set(handle.keys())
         for module, count in json.loads(meta["modules"]).items():
             factors = _read_factors(handle, names, module)
@@ -592,7 +623,7 @@ def _read_factors(handle, names: set[str], module: str) -> ScaleFactors | None:
     return None if parts[0] is None else ScaleFactors(*parts)
 
 
-def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> None:
+def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]], version: str) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -607,7 +638,7 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]]) -> No
             for part, tensor in zip(_FACTOR_PARTS, factors.parts()):
                 if tensor is not None:
                     tensors[f"{module}/factors/{part}"] = tensor.contiguous().clone()
-    meta = {"magic": CACHE_MAGIC, "version": str(CACHE_VERSION),
+    meta = {"magic": CACHE_MAGIC, "version": version,
             "modules": json.dumps({module: len(passes) for module, passes in weights.items()})}
     tmp = None
     try:
