@@ -188,7 +188,7 @@ def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
     float16 step with which codes 0..15 reach its greatest, so every element lands within ``d / 2`` of its value and
     no code is clipped. The pass's ``zeros`` (``b + 8 d``) give ``b`` back exactly in float32, so the kernels' packing
     stores both per-group values as float16 (:func:`~hierspec.runtime.int4_kernel.pack_vnni`): 20 bytes a group and
-    output instead of 24 with float32 ones (the 0.5B draft's products 0.93x the time at one row, BENCHMARKS.md,
+    output instead of 24 with float32 ones (the 0.5B draft's products 0.90-0.95x the time at 1-8 rows, BENCHMARKS.md,
     "Fifty-first session")."""
     if len(passes) == 1:
         return list(passes)
