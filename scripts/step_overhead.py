@@ -18,6 +18,7 @@ import time
 import torch
 
 import hierspec
+from hierspec.methods import split_methods
 
 
 def first_question_per_category(path: str) -> list[str]:
@@ -65,7 +66,7 @@ def main() -> None:
     model = hierspec.load_model()
     prompts = first_question_per_category(args.questions)
     timer = ForwardTimer(model.runtime)
-    for method in args.methods.split(","):
+    for method in split_methods(args.methods):
         hierspec.generate(model, prompts[0], method=method, datastores=args.datastore, max_new_tokens=16)  # warm-up
         timer.reset()
         loop = steps = tokens = 0
