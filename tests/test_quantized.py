@@ -145,8 +145,8 @@ def test_requantized_groups_keep_float16_minimums_that_survive_the_folded_offset
     low = torch.tensor([1e-4, -1e-4, 1000.0, -0.3, 0.25])
     high = torch.tensor([8.0, 8.0, 1000.001, 0.4, 0.25])
     plain = q._float16_at_most(low)
-    assert ((plain + 8 * q._float16_at_least((high - plain) / 15)) - 8 * q._float16_at_least((high - plain) / 15)
-            != plain)[:2].all()  # the first two groups need the move
+    plain_step = q._float16_at_least((high - plain) / 15)
+    assert ((plain + 8 * plain_step) - 8 * plain_step != plain)[:2].all()  # the first two groups need the move
     bias, step = q._float16_grid(low, high)
     assert torch.equal((bias + 8 * step) - 8 * step, bias)
     for part in (bias, step):
@@ -154,7 +154,7 @@ def test_requantized_groups_keep_float16_minimums_that_survive_the_folded_offset
     assert (bias <= low).all() and (bias + 15 * step >= high).all() and (step >= 0).all()
     assert bias[0] == 0 and step[0] == q._float16_at_least(torch.tensor(8.0 / 15))  # moved down to zero
     assert bias[1] == -q._float16_at_least(torch.tensor(8.0001 / 15))  # moved down one step (the step chosen first)
-    assert bias[2] == 1000 and bias[3] == plain[3] and step[3] == q._float16_at_least((0.4 - plain[3]) / 15)
+    assert bias[2] == 1000 and bias[3] == plain[3] and step[3] == plain_step[3]  # as plain rounding gives
     assert step[4] == 0 and bias[4] == 0.25  # a constant group
 
 
