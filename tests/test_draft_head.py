@@ -258,6 +258,38 @@ def test_head_on_the_int4_kernels_guesses_as_in_float32(target, store):
     assert np.array_equal(quantized.guess(hidden, embeddings[ids[-1]], 3)[0], exact)
 
 
+def test_the_compiled_guess_is_the_numpy_steps_guess_on_the_same_kernels_and_rows_do_not_affect_each_other(
+        target, store):
+    from hierspec.runtime import int4_kernel
+    from hierspec.runtime.quantized import resolve_kernel
+
+    kernels, reason = resolve_kernel("auto")
+    if kernels is None or int4_kernel.loaded_kernel() is None:
+        pytest.skip(f"no compiled int4 extension here: {reason}")
+    quantized = HeadStore.open(store.directory, target)
+    quantized.use_kernels(kernels)
+    compiled = quantized._compiled
+    assert compiled is not None
+    embeddings = target.input_embeddings()
+    rng = np.random.default_rng(5)
+    ids = [rng.integers(1, VOCAB, size=8).tolist() for _ in range(12)]
+    hidden = np.stack([target.hidden_states(torch.tensor([row]))[0, -2].to(torch.float32).numpy() for row in ids])
+    roots = torch.stack([embeddings[row[-1]] for row in ids])
+    together, p_together = compiled(hidden, roots, 4)
+    assert together.shape == p_together.shape == (12, 4)
+    for i in range(12):
+        tokens, probabilities = quantized.guess(hidden[i], roots[i], 4)  # one row through the compiled call
+        alone, p_alone = compiled(hidden[i], roots[i], 4)
+        assert np.array_equal(alone[0], together[i]) and np.array_equal(p_alone[0], p_together[i])
+        assert np.array_equal(tokens, store.shortlist[together[i]])
+        quantized._compiled = None  # the same products, the steps between them in NumPy
+        numpy_tokens, numpy_probabilities = quantized.guess(hidden[i], roots[i], 4)
+        quantized._compiled = compiled
+        assert np.array_equal(tokens, numpy_tokens)
+        np.testing.assert_allclose(probabilities, numpy_probabilities, rtol=1e-5, atol=1e-7)
+        assert np.all(np.diff(probabilities) <= 0) and probabilities.sum() <= 1 + 1e-6
+
+
 def test_hd_stops_asking_a_head_whose_guesses_the_tree_never_takes(target, store, monkeypatch):
     """With a cost curve on which no node pays, the head is asked at steps 1, 3, 7, 15, 23, ... (the wait doubling
     up to h_gate = 8); with one on which every node pays, at every step."""

@@ -119,6 +119,7 @@ class HeadStore:
         self.rows = rows
         self._gain = head.gain.detach().numpy().copy()
         self._products = self._float_products()  # up, down and shortlist products: float32 or int4 kernels
+        self._compiled: _CompiledGuess | None = None  # the whole guess in one call (:meth:`use_kernels`)
 
     @classmethod
     def open(cls, directory: str | Path, target=None) -> HeadStore:
@@ -151,26 +152,37 @@ class HeadStore:
     def use_kernels(self, kernels) -> None:
         """Run the head's three products on the int4 path's kernels (``Int4Kernels``), its weights rounded to
         ``Q8_0`` (a quarter of float32's bytes: in a decoding step the weights come from memory, not cache, and on
-        SmolLM2 the float32 head took ~1 ms of a 13 ms step); ``None`` goes back to float32."""
+        SmolLM2 the float32 head took ~1 ms of a 13 ms step) — with the whole guess in one compiled call where the
+        extension is loaded (:class:`_CompiledGuess`); ``None`` goes back to float32."""
+        from hierspec.runtime import int4_kernel
         from hierspec.runtime.quantized import GROUP, ROW_MULTIPLE, Int4Projection, quantize_q8_0
 
         head = self.head
+        self._compiled = None
         if kernels is None or self.hidden_size % GROUP or head.up.out_features % GROUP:
             self._products = self._float_products()  # the kernels take inputs (2 x hidden, width, hidden) in 32s
             return
 
-        def product(weight: torch.Tensor, bias: torch.Tensor | None):
-            outputs = weight.shape[0]
-            padding = -outputs % ROW_MULTIPLE  # the kernels pack outputs in tiles of 16 rows
+        def projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Int4Projection:
+            padding = -weight.shape[0] % ROW_MULTIPLE  # the kernels pack outputs in tiles of 16 rows
             if padding:
                 weight = torch.cat([weight, weight.new_zeros(padding, weight.shape[1])])
                 bias = None if bias is None else torch.cat([bias, bias.new_zeros(padding)])
-            projection = Int4Projection([quantize_q8_0(weight)], [bias], kernel=kernels.four_bit,
-                                        eight_bit=kernels.eight_bit)
-            return lambda rows: projection(rows)[0][:, :outputs]
+            return Int4Projection([quantize_q8_0(weight.detach())], [None if bias is None else bias.detach()],
+                                  kernel=kernels.four_bit, eight_bit=kernels.eight_bit)
 
-        self._products = (product(head.up.weight, head.up.bias), product(head.down.weight, head.down.bias),
-                          product(self.rows, None))
+        def first(product: Int4Projection, outputs: int):
+            return lambda rows: product(rows)[0][:, :outputs]
+
+        up = projection(head.up.weight, head.up.bias)
+        down = projection(head.down.weight, head.down.bias)
+        rows = projection(self.rows, None)
+        self._products = (first(up, head.up.out_features), first(down, self.hidden_size),
+                          first(rows, self.rows.shape[0]))
+        module = int4_kernel.loaded_kernel()
+        if module is not None and hasattr(module, "head_guess"):
+            self._compiled = _CompiledGuess(module, up, down, rows, head.up.out_features, self.rows.shape[0],
+                                            head.gain.detach().float().contiguous(), head.eps)
 
     def _float_products(self) -> tuple:
         return self.head.up, self.head.down, lambda state: F.linear(state, self.rows)
@@ -180,8 +192,13 @@ class HeadStore:
         """The ``k`` most likely next tokens (ids) and their probabilities after the root whose input embedding
         is ``embedded``, from the target's hidden state ``hidden`` where it predicted that root.
 
-        The few elementwise operations run in NumPy: on one row each PyTorch operator cost ~10-50 us of dispatch
-        and thread wake-ups right after a forward, together more than the three products."""
+        On the int4 kernels the whole guess is one compiled call; otherwise the few elementwise operations run in
+        NumPy: on one row each PyTorch operator cost ~10-50 us of dispatch and thread wake-ups right after a
+        forward, together more than the three products."""
+        k = min(k, self.shortlist.shape[0])
+        if self._compiled is not None:
+            positions, probabilities = self._compiled(hidden, embedded, k)
+            return self.shortlist[positions[0]], probabilities[0]
         hidden = np.asarray(hidden, dtype=np.float32).reshape(1, -1)
         up, down, rows = self._products
         embedded = torch.as_tensor(embedded, dtype=torch.float32).reshape(1, -1).numpy()
@@ -199,6 +216,28 @@ class HeadStore:
     def info(self) -> dict:
         files = sorted(p for p in self.directory.iterdir() if p.is_file())
         return {**self.header, "bytes_on_disk": sum(p.stat().st_size for p in files)}
+
+
+class _CompiledGuess:
+    """:meth:`HeadStore.guess` as one call of the compiled extension's ``head_guess`` (``head_guess.cpp``): the same
+    three products on the same kernels, the element-wise steps in C++ (within float32 rounding of NumPy's), each row's
+    ``k`` best shortlist positions (equal logits in position order) and their softmax probabilities."""
+
+    def __init__(self, module, up, down, rows, width: int, size: int, gain: torch.Tensor, eps: float) -> None:
+        self._call = module.head_guess
+        self._up, self._down, self._rows = up, down, rows
+        self._width, self._size = width, size
+        self._gain, self._eps = gain, float(eps)
+
+    def __call__(self, hidden: np.ndarray, embedded: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Shortlist positions ``[rows, k]`` and probabilities ``[rows, k]`` for hidden states ``[rows, h]`` (or
+        ``[h]``) and the roots' embeddings alike."""
+        hidden = torch.from_numpy(np.ascontiguousarray(hidden, dtype=np.float32)).reshape(-1, self._gain.shape[0])
+        embedded = torch.as_tensor(embedded, dtype=torch.float32).reshape(hidden.shape)
+        positions, probabilities = self._call(hidden, embedded, self._up.native, self._up.bias, self._width,
+                                              self._down.native, self._down.bias, self._gain, self._eps,
+                                              self._rows.native, self._size, k)
+        return positions.numpy(), probabilities.numpy()
 
 
 def _product(product, rows: np.ndarray) -> np.ndarray:

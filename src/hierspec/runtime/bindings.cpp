@@ -30,6 +30,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &ExactLayerStack::add, "append the next layer's weights")
       .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
       .def("__len__", &ExactLayerStack::size);
+  m.def("head_guess", &head_guess, "a draft head's k best shortlist entries and their probabilities, per row");
   m.def("row_topk", &row_topk, "each float32 row's NumPy argmax and k largest entries' indices, largest first");
   m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
 }

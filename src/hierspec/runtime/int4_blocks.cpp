@@ -150,6 +150,11 @@ at::Tensor add_into(at::Tensor sum, const at::Tensor& other) {
 
 }  // namespace
 
+at::Tensor project_stacks(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
+                          const c10::optional<at::Tensor>& bias) {
+  return project(rows, stacks, bias);
+}
+
 // silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product)
 at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&

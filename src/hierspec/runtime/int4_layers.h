@@ -1,7 +1,8 @@
-// The products, the int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the verifier's top-k
-// (row_topk.cpp) and the cache's path move (cache_keep.cpp), declared for the bindings in bindings.cpp, for
-// int4_blocks.cpp, which picks a weight's product, for int4_attention.cpp, which runs the halves around its attention,
-// and for int4_vnni.cpp, whose one-code unit (int4_vnni8.cpp) calls vnni_ready defined in the other.
+// The products, the int4 decoder's layer calls (int4_blocks.cpp, int4_attention.cpp), the draft head's guess
+// (head_guess.cpp), the verifier's top-k (row_topk.cpp) and the cache's path move (cache_keep.cpp), declared for the
+// bindings in bindings.cpp, for int4_blocks.cpp, which picks a weight's product, for int4_attention.cpp, which runs
+// the halves around its attention, for head_guess.cpp, which runs the head's products, and for int4_vnni.cpp, whose
+// one-code unit (int4_vnni8.cpp) calls vnni_ready defined in the other.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +26,9 @@ at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at:
                          const at::Tensor& units);
 
 // int4_blocks.cpp
+// rows times a projection's stacks side by side (each stack's kernel told by its codes), plus its bias where given
+at::Tensor project_stacks(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
+                          const c10::optional<at::Tensor>& bias);
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                                          const std::vector<std::vector<at::Tensor>>& qkv,
@@ -84,6 +88,15 @@ class ExactLayerStack {
   int64_t heads_, kv_heads_, dim_;
   std::vector<ExactLayerWeights> layers_;
 };
+
+// head_guess.cpp
+std::tuple<at::Tensor, at::Tensor> head_guess(const at::Tensor& hidden, const at::Tensor& embedded,
+                                              const std::vector<std::vector<at::Tensor>>& up,
+                                              const c10::optional<at::Tensor>& up_bias, int64_t width,
+                                              const std::vector<std::vector<at::Tensor>>& down,
+                                              const c10::optional<at::Tensor>& down_bias, const at::Tensor& gain,
+                                              double eps, const std::vector<std::vector<at::Tensor>>& shortlist,
+                                              int64_t size, int64_t k);
 
 // row_topk.cpp
 std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& logits, int64_t k);
