@@ -86,3 +86,25 @@ def test_no_candidates_or_no_budget_drafts_nothing():
     model = AcceptanceModel(["a"])
     assert select_tree(9, [], model, _bucketed, budget=8).tree.size == 1
     assert select_tree(9, [Candidate((1, 2), "a")], model, _bucketed, budget=0).tree.size == 1
+
+
+def test_a_row_of_rates_read_alone_equals_the_whole_tables_row():
+    rng = np.random.default_rng(3)
+    model = AcceptanceModel(["a", "b", "c"])
+    model.trials[:] = rng.uniform(0, 50, model.trials.shape)
+    model.hits[:] = model.trials * rng.uniform(0, 1, model.trials.shape)
+    table = model.rates()
+    for source in range(3):
+        for confidence in range(table.shape[1]):
+            assert model.rates_of(source, confidence) == table[source, confidence].tolist()
+
+
+def test_siblings_come_in_the_order_their_candidates_reached_them_and_deeper_nodes_after_their_level():
+    model = AcceptanceModel(["a"])
+    scored = select_tree(9, [Candidate((5, 6), "a"), Candidate((7, 8, 4), "a"), Candidate((5, 3), "a")], model,
+                         lambda rows: 1.0, budget=8)
+    tree = scored.tree  # trie ids: 5=1 6=2 7=3 8=4 4=5 3=6; breadth-first, siblings by id: 9 | 5 7 | 6 3 8 | 4
+    assert tree.tokens.tolist() == [9, 5, 7, 6, 3, 8, 4]
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 5]
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert [tree.sequence(i) for i in range(1, 7)] == [[5], [7], [5, 6], [5, 3], [7, 8], [7, 8, 4]]

@@ -496,7 +496,8 @@ class HierarchyDrafter(Drafter):
             longest_match = database is self.automaton or database is self.outputs
             length = self.config.a_len if longest_match else self.config.m
             for seq, confidence in found:
-                tokens = tuple(int(t) for t in np.asarray(seq)[:length])
+                tokens = (tuple(seq[:length].tolist()) if isinstance(seq, np.ndarray)
+                          else tuple(map(int, seq[:length])))
                 if tokens:
                     out.append(Candidate(tokens, name, confidence))
         return out

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hierspec.accept import Verdict
-from hierspec.tree import DraftTree, build_tree, root_only
+from hierspec.tree import ROOT_SOURCE, DraftTree, root_only
 
 #: depth bins: depths 1, 2, 3, 4, 5-6, 7+ (a sequence's later tokens are accepted less often)
 _DEPTH_BINS = (0, 0, 1, 2, 3, 4, 4, 5)  # indexed by depth (0 is the root)
@@ -163,6 +163,16 @@ class AcceptanceModel:
             rates[..., level] = prior
         return rates
 
+    def rates_of(self, source: int, confidence: int) -> list[float]:
+        """One (source, confidence bin) row of :meth:`rates`, computed alone (the same float operations in the same
+        order, so the same values): a step reads only the few rows its candidates fall in."""
+        hits, trials = self.hits[source, confidence].tolist(), self.trials[source, confidence].tolist()
+        prior, row = PRIOR_HITS / PRIOR_TRIALS, []
+        for level_hits, level_trials in zip(hits, trials):
+            prior = (level_hits + PRIOR_TRIALS * prior) / (level_trials + PRIOR_TRIALS)
+            row.append(prior)
+        return row
+
     def learn(self, tree: "ScoredTree", verdict: Verdict) -> None:
         """Count, for every node whose parent was accepted, whether the node was accepted too."""
         self.trials *= self.decay
@@ -212,15 +222,13 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     per unit of cost.
     """
     trie = _Trie()
-    rates = model.rates().tolist()  # nested lists: ~30 nodes a step read them, a NumPy element read costs ~10x more
+    rows_read: dict[tuple[int, int], list[float]] = {}  # Python floats: a NumPy element read costs ~10x more
     for candidate in candidates:
         source, confidence, _ = model.cell(candidate.source, candidate.confidence, 1)
-        by_level = rates[source][confidence]
-        node = 0
-        for depth, token in enumerate(candidate.tokens, start=1):
-            level = depth_bin(depth)
-            node = trie.add(node, int(token), trie.probability[node] * by_level[level], candidate.source,
-                            (source, confidence, level))
+        by_level = rows_read.get((source, confidence))
+        if by_level is None:
+            by_level = rows_read[source, confidence] = model.rates_of(source, confidence)
+        trie.extend(candidate.tokens, by_level, candidate.source, source, confidence)
     if trie.size == 1 or budget <= 0:
         return _empty(root)
     p = np.asarray(trie.probability)
@@ -228,14 +236,16 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     order = np.lexsort((depth[1:], -p[1:]))[:budget] + 1  # p descending, shallower first: parents come first
     rows, tokens = shared
     gains = tokens + 1.0 + np.concatenate([[0.0], np.cumsum(p[order])])
-    keep = int(np.argmax(gains / np.array([cost(rows + k + 1) for k in range(gains.shape[0])])))
+    costs = np.fromiter(map(cost, range(rows + 1, rows + 1 + gains.shape[0])), dtype=np.float64,
+                        count=gains.shape[0])
+    keep = int(np.argmax(gains / costs))
     if keep == 0:
         return _empty(root)
-    chosen = sorted(order[:keep].tolist())  # node ids grow with insertion: a parent precedes its children
-    paths = {node: trie.path(node) for node in chosen}
-    tree = build_tree(root, [paths[n] for n in chosen], sources=[trie.source[n] for n in chosen])
-    node_of = {tuple(path): node for node, path in paths.items()}
-    nodes = [0] + [node_of[tuple(tree.sequence(i))] for i in range(1, tree.size)]
+    nodes = trie.breadth_first(sorted(order[:keep].tolist()))
+    tree = DraftTree(tokens=np.array([root] + [trie.token[n] for n in nodes[1:]], dtype=np.int64),
+                     parents=np.array(trie.parents_in(nodes), dtype=np.int64),
+                     depths=depth[nodes].astype(np.int64),
+                     sources=(ROOT_SOURCE,) + tuple(trie.source[n] for n in nodes[1:]))
     return ScoredTree(tree, p[nodes], tuple(trie.cell[n] for n in nodes))
 
 
@@ -244,39 +254,57 @@ def _empty(root: int) -> ScoredTree:
 
 
 class _Trie:
-    """Candidate nodes: token, parent, depth, best path probability, source and model cell of each."""
+    """Candidate nodes: token, parent, depth, best path probability, source and model cell of each (node ids grow
+    with insertion, so a parent's id is below its children's)."""
 
     def __init__(self) -> None:
         self.children: list[dict[int, int]] = [{}]
         self.token, self.parent, self.depth = [-1], [-1], [0]
         self.probability = [1.0]
-        self.source = ["root"]
+        self.source = [ROOT_SOURCE]
         self.cell: list[tuple[int, int, int]] = [(0, 0, 0)]
 
     @property
     def size(self) -> int:
         return len(self.token)
 
-    def add(self, parent: int, token: int, probability: float, source: str, cell: tuple[int, int, int]) -> int:
-        """The child of ``parent`` with ``token``, created or improved to ``probability``."""
-        child = self.children[parent].get(token)
-        if child is None:
-            child = len(self.token)
-            self.children[parent][token] = child
-            self.children.append({})
-            self.token.append(token)
-            self.parent.append(parent)
-            self.depth.append(self.depth[parent] + 1)
-            self.probability.append(probability)
-            self.source.append(source)
-            self.cell.append(cell)
-        elif probability > self.probability[child]:
-            self.probability[child], self.source[child], self.cell[child] = probability, source, cell
-        return child
+    def extend(self, tokens: Sequence[int], by_level: Sequence[float], source: str, source_index: int,
+               confidence: int) -> None:
+        """Add a candidate's path from the root: each node created, or improved to a better probability (the
+        product of ``by_level``'s rates along the path, read at each depth's bin)."""
+        children, probability = self.children, self.probability
+        node = 0
+        for depth, token in enumerate(tokens, start=1):
+            level = _DEPTH_BINS[depth] if depth < len(_DEPTH_BINS) else _DEPTH_BINS[-1]
+            estimate = probability[node] * by_level[level]
+            child = children[node].get(token)
+            if child is None:
+                child = len(self.token)
+                children[node][token] = child
+                children.append({})
+                self.token.append(int(token))
+                self.parent.append(node)
+                self.depth.append(depth)
+                probability.append(estimate)
+                self.source.append(source)
+                self.cell.append((source_index, confidence, level))
+            elif estimate > probability[child]:
+                probability[child], self.source[child] = estimate, source
+                self.cell[child] = (source_index, confidence, level)
+            node = child
 
-    def path(self, node: int) -> list[int]:
-        tokens = []
-        while node > 0:
-            tokens.append(self.token[node])
-            node = self.parent[node]
-        return tokens[::-1]
+    def breadth_first(self, chosen: Sequence[int]) -> list[int]:
+        """The root and ``chosen`` (ascending ids, closed under parents) breadth-first, siblings in id order: the
+        order :func:`~hierspec.tree.build_tree` gives their paths taken in that order."""
+        below: dict[int, list[int]] = {}
+        for node in chosen:
+            below.setdefault(self.parent[node], []).append(node)
+        order = [0]
+        for node in order:  # grows while it is read
+            order.extend(below.get(node, ()))
+        return order
+
+    def parents_in(self, order: Sequence[int]) -> list[int]:
+        """Each node's parent as a position in ``order`` (-1 for the root)."""
+        position = {node: index for index, node in enumerate(order)}
+        return [-1] + [position[self.parent[node]] for node in order[1:]]
