@@ -270,6 +270,8 @@ class Generation:
         self.stats.total_time = time.perf_counter() - self._started
         self.drafter.finish(self.context.view())
         self.stats.drafter = self.drafter.report()
+        if self.drafter.carried is not None:
+            self.drafter.carried.leave(self.drafter.learned())
 
 
 def _truncate(tokens: list[int], room: int, eos: frozenset[int]) -> list[int]:

@@ -17,6 +17,7 @@ import numpy as np
 from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, ModelConfig
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.carried import CarriedState
 from hierspec.drafters.registry import MethodSpec, build_drafter, methods, split_methods
 from hierspec.errors import InputError
 
@@ -206,7 +207,9 @@ def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel
     :class:`DrafterContext` (the target plus datastores and draft-model choices) or just the loaded target. The
     methods themselves are registered by their drafter modules (:mod:`hierspec.drafters.registry`). Methods that do
     not size their own trees draft cost-aware by default (:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`,
-    on this machine's cost curves; ``budget=off`` turns it off, ``budget=auto`` turns it on for any method).
+    on this machine's cost curves; ``budget=off`` turns it off, ``budget=auto`` turns it on for any method). The
+    drafter starts from what the last finished generation of the same method with this context learned, and leaves
+    what it learns there (:mod:`hierspec.drafters.carried`).
 
     Raises:
         InputError: for an unknown method or option, a context without a loaded model, or a missing store.
@@ -219,7 +222,12 @@ def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel
     if not isinstance(context, DrafterContext) or not isinstance(context.target, TargetModel):
         raise InputError(f"make_drafter({spec.label!r}, ...) needs the loaded target model "
                          "(hierspec.load_model()) or a DrafterContext holding it")
-    return build_drafter(spec, context)
+    drafter = build_drafter(spec, context)
+    drafter.carried = context.shared(("carried", spec.label), CarriedState)
+    state = drafter.carried.latest()
+    if state is not None:
+        drafter.resume(state)
+    return drafter
 
 
 __all__ = ["DrafterContext", "MethodSpec", "make_drafter", "methods", "self_layers", "split_methods"]

@@ -10,6 +10,7 @@ import torch
 
 from hierspec.accept import Verdict
 from hierspec.config import SamplingConfig
+from hierspec.drafters.carried import CarriedState
 from hierspec.drafters.registry import register
 from hierspec.tree import DraftTree, root_only
 
@@ -23,6 +24,9 @@ class Drafter(ABC):
     """
 
     name: str = "drafter"
+    #: where what this drafter learned is left when a generation ends, for the next drafter of its method (set by
+    #: :func:`~hierspec.methods.make_drafter`; ``None``: kept by nobody)
+    carried: CarriedState | None = None
     #: how many of the target's top predictions per tree node the drafter wants in each verdict (1 = argmax only)
     verifier_topk: int = 1
     #: whether the loop should hand the target's last hidden states to :meth:`observe_hidden` (dense retrieval)
@@ -73,6 +77,16 @@ class Drafter(ABC):
     def finish(self, context: np.ndarray) -> None:
         """Called once when a generation ends (finished, stopped or cancelled) with its whole context: prompt and
         generated tokens. Drafters that learn across generations persist what they learned here."""
+
+    def learned(self) -> object | None:
+        """What this drafter learned from verdicts that a later generation of the same method may start from
+        (:mod:`~hierspec.drafters.carried`; copied before it is kept), or ``None`` (the default) when it learns
+        nothing of the kind."""
+        return None
+
+    def resume(self, learned: object) -> None:
+        """Start from ``learned``, what an earlier drafter of the same method left (its :meth:`learned`, a copy of
+        its own); called before the first generation. Nothing by default."""
 
     def report(self) -> dict:
         """The drafter's own counters for the generation that just ended (empty by default)."""

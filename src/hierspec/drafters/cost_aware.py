@@ -261,6 +261,24 @@ class CostAwareDrafter(Drafter):
     def finish(self, context: np.ndarray) -> None:
         self.inner.finish(context)
 
+    def learned(self) -> dict:
+        """The decayed counts by depth, the exploration's back-off, the token window's rates and the wrapped
+        drafter's own :meth:`learned`."""
+        return {"depths": (self._reached, self._accepted, self._asked, self._deep, self._nodes),
+                "backoff": self._backoff, "window": None if self.window is None else self.window.rates,
+                "inner": self.inner.learned()}
+
+    def resume(self, learned: object) -> None:
+        if not isinstance(learned, dict):
+            return
+        self._reached, self._accepted, self._asked, self._deep, self._nodes = learned["depths"]
+        self._backoff = learned["backoff"]
+        self._next_explore = self._steps + self._backoff.interval
+        if self.window is not None and learned["window"] is not None:
+            self.window.rates = learned["window"]
+        if learned["inner"] is not None:
+            self.inner.resume(learned["inner"])
+
     def report(self) -> dict:
         window = {"window_stops": self.window.stops} if self.window is not None else {}
         return {**self.inner.report(), "cost_cut_steps": self.cut_steps, "cost_skipped_steps": self.skipped_steps,

@@ -553,6 +553,25 @@ class HierarchyDrafter(Drafter):
         self.recycle(verdict, context[: self._proposed_length])
         self.context_db.feed_context(context)
 
+    def learned(self) -> dict:
+        """The acceptance rates, the databases' search gates and the head's and the exploration's back-offs, with the
+        databases they were learned for."""
+        return {"sources": self.sources, "acceptance": self.acceptance, "source_gate": self.source_gate,
+                "search_gate": self.search_gate, "head_gate": self._head_gate, "backoff": self._backoff}
+
+    def resume(self, learned: object) -> None:
+        """Start from another drafter's :meth:`learned` if it read the same databases (a store added or removed
+        since makes it start afresh)."""
+        if not isinstance(learned, dict) or learned.get("sources") != self.sources:
+            return
+        self.acceptance = learned["acceptance"]
+        self._head_gate = learned["head_gate"]
+        for name, kept in (("source_gate", learned["source_gate"]), ("search_gate", learned["search_gate"])):
+            if getattr(self, name) is not None and kept is not None:
+                setattr(self, name, kept)
+        if self._backoff is not None and learned["backoff"] is not None:
+            self._backoff = learned["backoff"]
+
     def finish(self, context: np.ndarray) -> None:
         """Add this generation's output to the earlier outputs (``o``); with a learning store, queue it (the key's
         context, then every generated token) and write a new version every ``flush_every`` generations."""

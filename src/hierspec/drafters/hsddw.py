@@ -231,6 +231,12 @@ class HSDDWDrafter(Drafter):
     def finish(self, context: np.ndarray) -> None:
         self.first.finish(context)
 
+    def learned(self) -> object | None:
+        return self.first.learned()  # the middle model's threshold starts again every generation (begin)
+
+    def resume(self, learned: object) -> None:
+        self.first.resume(learned)
+
     def report(self) -> dict:
         first = self.first.report()
         return {**self.counts, "windows": list(self.windows), "tau_middle": self.threshold.value,
