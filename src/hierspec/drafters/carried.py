@@ -1,9 +1,10 @@
 """What a method's drafters learned, carried from one generation to the next.
 
-The Python API and the server build a new drafter for every generation (:func:`~hierspec.methods.make_drafter`), so
-what a drafter learns from verdicts — ``hd``'s acceptance rates per source, confidence and depth, which databases'
-searches pay, the draft head's back-off; the cost-aware wrapper's acceptance by depth and its token window's rates —
-started from the prior on every request, where the benchmark keeps one drafter per method across its questions. On
+The Python API's :func:`~hierspec.generate` and :func:`~hierspec.stream` build a new drafter for every call
+(:func:`~hierspec.methods.make_drafter`), so what a drafter learns from verdicts — ``hd``'s acceptance rates per
+source, confidence and depth, which databases' searches pay, the draft head's back-off; the cost-aware wrapper's
+acceptance by depth and its token window's rates — started from the prior on every call, where the benchmark keeps
+one drafter per method across its questions (and the batch scheduler, the server's, reuses its drafters). On
 39 dev questions (SmolLM2, 128 tokens, BENCHMARKS.md, "Fifty-second session") a drafter per generation gave ``hd``
 1.078x ``ar`` (MAT 1.83) and one kept across them 1.155x (MAT 1.96).
 
