@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones_like.h>
 
 #include <cmath>
 #include <cstdint>
@@ -30,14 +31,6 @@ using hierspec_int4::kLanes;
 using hierspec_int4::lane_sum;
 using hierspec_int4::load;
 using hierspec_int4::vf;
-
-// x sigmoid(x) of every entry, in place (e = exp(-|x|): sigmoid = 1 / (1 + e) for x >= 0, e / (1 + e) below)
-void silu_in_place(float* x, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) {
-    const float e = std::exp(-std::fabs(x[i]));
-    x[i] *= (x[i] >= 0.f ? 1.f : e) / (1.f + e);
-  }
-}
 
 // sum of exp(row[i] - peak) over a row whose entries are all <= peak
 float exp_sum(const float* row, int64_t count, float peak) {
@@ -89,7 +82,7 @@ std::tuple<at::Tensor, at::Tensor> head_guess(const at::Tensor& hidden, const at
   auto inner = project_stacks(at::cat({state_in, embedded.contiguous()}, 1), up, up_bias);
   TORCH_CHECK(inner.size(1) >= width, "up: fewer outputs than the head's width");
   inner = inner.narrow(1, 0, width).contiguous();
-  silu_in_place(inner.data_ptr<float>(), inner.numel());
+  inner = silu_product(inner, at::ones_like(inner));  // the layers' SiLU (int4_blocks.cpp), times 1 exactly
   auto state = project_stacks(inner, down, down_bias);
   TORCH_CHECK(state.size(1) >= h, "down: fewer outputs than the hidden size");
   state = state.narrow(1, 0, h).add(state_in).contiguous();
