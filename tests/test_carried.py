@@ -95,3 +95,19 @@ def test_drafters_that_start_from_earlier_generations_still_decode_exactly_as_pl
         for prompt in _prompts(4):
             out = SpeculativeDecoder(target, make_drafter(method, context)).generate(prompt, CONFIG)
             assert out.token_ids == plain.generate(prompt, CONFIG).token_ids
+
+
+def test_a_seeded_sampled_generation_is_the_same_whatever_an_earlier_generation_taught_the_drafter(tmp_path):
+    from hierspec.config import SamplingConfig
+
+    target = make_target("llama", vocab_size=64, seed=3)
+    context = _context(target, tmp_path)
+    sampled = GenerationConfig(max_new_tokens=40, stop_at_eos=False,
+                               sampling=SamplingConfig(temperature=0.9, seed=7))
+    prompt = _prompts(1)[0]
+    plain = SpeculativeDecoder(target, NoDrafter()).generate(prompt, sampled).token_ids
+    first = make_drafter("hd", context)
+    assert SpeculativeDecoder(target, first).generate(prompt, sampled).token_ids == plain
+    later = make_drafter("hd", context)  # starts from what the first generation learned
+    assert later.acceptance.trials.sum() > 0
+    assert SpeculativeDecoder(target, later).generate(prompt, sampled).token_ids == plain
