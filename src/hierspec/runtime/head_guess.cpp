@@ -17,7 +17,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <tuple>
 #include <vector>
 
