@@ -275,7 +275,7 @@ class _Trie:
         children, probability = self.children, self.probability
         node = 0
         for depth, token in enumerate(tokens, start=1):
-            level = _DEPTH_BINS[depth] if depth < len(_DEPTH_BINS) else _DEPTH_BINS[-1]
+            level = depth_bin(depth)
             estimate = probability[node] * by_level[level]
             child = children[node].get(token)
             if child is None:
