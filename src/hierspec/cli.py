@@ -83,13 +83,22 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
                             f"(default {DRAFT_REQUANTIZE})")
 
 
-def _drafter_context(args: argparse.Namespace, model):
+def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False):
     from hierspec.methods import DrafterContext
+    from hierspec.paths import user_cache_dir
 
     return DrafterContext(model, tuple(args.datastore), draft_model=args.draft_model,
                           middle_model=args.middle_model, self_verify=args.self_verify,
                           model_config=_model_config(args), draft_vocab=_draft_vocab(args),
-                          draft_requantize=args.draft_requantize)
+                          draft_requantize=args.draft_requantize,
+                          learned_dir=str(user_cache_dir() / "learned") if keep_learned else None)
+
+
+def _add_learned_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-learned", action=argparse.BooleanOptionalAction, default=True,
+                        help="start the drafter from what earlier runs of the same model and method learned (hd's "
+                             "acceptance rates and gates, the cost-aware sizing's counts) and keep what this run "
+                             "learns, in ~/.cache/hierspec/learned (default on; outputs never depend on it)")
 
 
 def _draft_vocab(args: argparse.Namespace) -> int:
@@ -110,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="hd",
                      help="hd, pld, rest, sd, hsddw, ar (options: hd:l=2,m=6,n=4,order=cms; sd:draft=self:8,k=4)")
     gen.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
+    _add_learned_option(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
     _add_sampling_options(gen)
     _add_draft_model_options(gen)
@@ -201,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_model_options(serve)
     serve.add_argument("--method", default="hd", help="decoding method (as in generate)")
     serve.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
+    _add_learned_option(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests")
@@ -269,7 +280,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise InputError("the prompt is empty")
     model = _load(args)
-    drafter = make_drafter(spec, _drafter_context(args, model))
+    drafter = make_drafter(spec, _drafter_context(args, model, args.keep_learned))
     decoder = SpeculativeDecoder(model, drafter)
     stream = decoder.stream(model.encode_prompt(args.prompt, raw=args.raw), config)
     if args.stream and not args.json:
@@ -408,7 +419,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--port must be between 1 and 65535, not {args.port}")
     spec = MethodSpec.parse(args.method)
     model = _load(args)
-    context = _drafter_context(args, model)
+    context = _drafter_context(args, model, args.keep_learned)
     spec = server_learning(spec, context, args.learn)
     BatchConfig(max_batch=args.max_batch, max_rows=args.max_rows)  # checked before the model's drafters load
     config = ServerConfig(model_name=args.served_model_name or served_model_name(args.model), api_key=args.api_key,

@@ -17,7 +17,7 @@ import numpy as np
 from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, ModelConfig
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
-from hierspec.drafters.carried import CarriedState
+from hierspec.drafters.carried import CarriedState, learned_path
 from hierspec.drafters.registry import MethodSpec, build_drafter, methods, split_methods
 from hierspec.errors import InputError
 
@@ -39,7 +39,8 @@ class DrafterContext:
     ``draft_vocab``: the tokens a draft model's head computes (the most frequent in this tokenizer's suffix
     stores, see :meth:`draft_shortlist`; 0 = its whole vocabulary); ``draft_requantize``: how a draft model's GGUF
     weights are held (``"4bit"``: rounded to 4 bits at load, fewer bytes a draft step; ``"none"``: as stored —
-    :attr:`~hierspec.config.ModelConfig.requantize`).
+    :attr:`~hierspec.config.ModelConfig.requantize`); ``learned_dir``: where what drafters learn is kept across
+    processes (``None``: within this process only; :meth:`carried_state`).
 
     Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
     are optional (``hd``) also look in ``store_root`` (see :func:`~hierspec.datastore.format.default_store_dir`;
@@ -57,6 +58,7 @@ class DrafterContext:
     cost_curve: str | None = None
     draft_vocab: int = DRAFT_VOCAB
     draft_requantize: str = DRAFT_REQUANTIZE
+    learned_dir: str | None = None
     _opened: dict = field(default_factory=dict, compare=False, repr=False)
 
     def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any:
@@ -66,6 +68,17 @@ class DrafterContext:
         if key not in self._opened:
             self._opened[key] = open_it()
         return self._opened[key]
+
+    def carried_state(self, spec: MethodSpec) -> CarriedState:
+        """Where drafters of ``spec`` leave what they learned: this process only, or with ``learned_dir`` also a
+        file there that later processes start from, keyed by the model, tokenizer, method and drafting settings
+        (:mod:`hierspec.drafters.carried`)."""
+        if self.learned_dir is None:
+            return CarriedState()
+        key = {"method": spec.label, "model": self.target.name, "tokenizer": self.target.tokenizer_fingerprint[:16],
+               "datastores": list(self.datastores), "draft_model": self.draft_model,
+               "middle_model": self.middle_model, "self_verify": self.self_verify}
+        return CarriedState(learned_path(self.learned_dir, key), key)
 
     def load_cost_curve(self):
         """The target's verification cost curve: ``cost_curve`` if given, else this model's default location."""
@@ -223,7 +236,7 @@ def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel
         raise InputError(f"make_drafter({spec.label!r}, ...) needs the loaded target model "
                          "(hierspec.load_model()) or a DrafterContext holding it")
     drafter = build_drafter(spec, context)
-    drafter.carried = context.shared(("carried", spec.label), CarriedState)
+    drafter.carried = context.shared(("carried", spec.label), lambda: context.carried_state(spec))
     state = drafter.carried.latest()
     if state is not None:
         drafter.resume(state)

@@ -15,21 +15,83 @@ one drafter per method across its questions (and the batch scheduler, the server
 and never share anything mutable; stores and what learns into them (the successor table) are shared as before.
 Greedy outputs never depend on it (any tree is verified losslessly), nor do sampled ones of deterministic drafts
 (each token is one draw from the target's distribution, whatever the tree).
+
+Across processes: given a file (:func:`learned_path`; the command line's ``generate`` and ``serve`` do so unless
+``--no-keep-learned``), a :class:`CarriedState` starts from the snapshot the last process left there and writes each
+new one through a temporary file renamed into place. The file is a JSON header line (magic, version, the key it was
+learned for, the payload's SHA-256) and the snapshot pickled; it is read back with an unpickler that builds only
+hierspec's own classes, NumPy arrays and plain containers. A missing, damaged or foreign file means starting from
+the priors (with a warning for the last two); a disk that refuses the write turns the file off for the process, with
+one warning — learning in memory goes on.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: the first field of a learned-state file's header
+MAGIC = "hierspec-learned"
+#: its format; a file of another version is ignored (and replaced by the next generation's)
+VERSION = 1
+
+#: the plain types a snapshot may hold besides hierspec's classes and NumPy's arrays
+_BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",
+                       "complex", "slice", "range"})
+_COLLECTIONS = frozenset({"OrderedDict", "defaultdict", "deque", "Counter"})
+_NUMPY = frozenset({"numpy", "numpy.core.multiarray", "numpy._core.multiarray", "numpy.core.numeric",
+                    "numpy._core.numeric"})
+
+
+def learned_path(root: str | Path, key: dict) -> Path:
+    """The file under ``root`` for snapshots learned under ``key`` (model, tokenizer, method and drafting
+    settings; see :meth:`~hierspec.methods.DrafterContext.learned_state`)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(root) / f"{key.get('method', 'method')}-{digest}.learned".replace("/", "_").replace(":", "_")
+
+
+class _SnapshotUnpickler(pickle.Unpickler):
+    """Builds hierspec's classes, NumPy arrays and plain containers only: a snapshot file never runs other code."""
+
+    def find_class(self, module: str, name: str):
+        allowed = ((module == "builtins" and name in _BUILTINS) or (module == "collections" and name in _COLLECTIONS)
+                   or module in _NUMPY or (module == "copyreg" and name == "_reconstructor"))
+        if not allowed and module.startswith("hierspec."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):
+                return found
+        if allowed:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a learned-state file may not hold {module}.{name}")
 
 
 class CarriedState:
-    """The latest snapshot a finished generation of one method left, for the next drafter of that method."""
+    """The latest snapshot a finished generation of one method left, for the next drafter of that method; with
+    ``path``, also the one the last process left there (see the module's text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | Path | None = None, key: dict | None = None) -> None:
         self._lock = threading.Lock()
         self._state: Any = None
+        self._path = Path(path) if path is not None else None
+        self._key = key or {}
+        if self._path is not None:
+            self._state = self._read()
+
+    @property
+    def path(self) -> Path | None:
+        """The file snapshots are kept in across processes (``None``: this process only, or the disk refused)."""
+        return self._path
 
     def latest(self) -> Any:
         """A copy of the latest snapshot, or ``None`` before any generation of the method finished."""
@@ -39,9 +101,68 @@ class CarriedState:
 
     def leave(self, state: Any) -> None:
         """Keep a copy of ``state`` (a finished drafter's :meth:`~hierspec.drafters.base.Drafter.learned`) as the
-        latest; ``None`` keeps the one before."""
+        latest, and in the file where there is one; ``None`` keeps the one before."""
         if state is None:
             return
         snapshot = copy.deepcopy(state)
         with self._lock:
             self._state = snapshot
+            if self._path is not None:
+                self._write(snapshot)
+
+    def _read(self) -> Any:
+        """The snapshot in the file, or ``None`` where there is none or it is damaged, foreign or of another
+        version (told in a warning)."""
+        try:
+            data = self._path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read the learned drafter state %s (%s); starting from the priors", self._path, exc)
+            return None
+        problem, state = _parsed(data, self._key)
+        if problem is not None:
+            log.warning("ignoring the learned drafter state %s: %s; starting from the priors", self._path, problem)
+        return state
+
+    def _write(self, snapshot: Any) -> None:
+        from hierspec.storage import storage_problem
+
+        payload = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+        header = {"magic": MAGIC, "version": VERSION, "key": self._key,
+                  "sha256": hashlib.sha256(payload).hexdigest()}
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            handle, tmp = tempfile.mkstemp(prefix=".learned-", dir=self._path.parent)
+            try:
+                with os.fdopen(handle, "wb") as out:
+                    out.write(json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
+                os.replace(tmp, self._path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as exc:
+            log.warning("cannot keep the learned drafter state across processes: %s; it is kept in this process "
+                        "only", storage_problem(exc))
+            self._path = None
+
+
+def _parsed(data: bytes, key: dict) -> tuple[str | None, Any]:
+    """``(None, snapshot)`` for a sound file learned under ``key``, else ``(why not, None)``."""
+    line, _, payload = data.partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError:
+        return "not a learned-state file (no header)", None
+    if not isinstance(header, dict) or header.get("magic") != MAGIC:
+        return "not a learned-state file (another magic string)", None
+    if header.get("version") != VERSION:
+        return f"format version {header.get('version')!r}, this hierspec reads {VERSION}", None
+    if header.get("key") != key:
+        return "learned for another model, method or setting", None
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        return "damaged (its checksum does not match)", None
+    try:
+        return None, _SnapshotUnpickler(io.BytesIO(payload)).load()
+    except Exception as exc:  # noqa: BLE001 - any failure to rebuild the snapshot means: start afresh
+        return f"unreadable ({exc})", None
