@@ -71,11 +71,16 @@ class DrafterContext:
 
     def carried_state(self, spec: MethodSpec) -> CarriedState:
         """Where drafters of ``spec`` leave what they learned: this process only, or with ``learned_dir`` also a
-        file there that later processes start from, keyed by the model, tokenizer, method and drafting settings
-        (:mod:`hierspec.drafters.carried`)."""
+        file there that later processes start from, keyed by the model, tokenizer, method, drafting settings and
+        the machine (CPU or GPU, dtype, runtime: the gates learn milliseconds; :mod:`hierspec.drafters.carried`)."""
+        from hierspec.calibration import machine_identity
+
         if self.learned_dir is None:
             return CarriedState()
+        # the gates learn milliseconds: another CPU, dtype or runtime learns its own
+        machine = machine_identity(self.target)
         key = {"method": spec.label, "model": self.target.name, "tokenizer": self.target.tokenizer_fingerprint[:16],
+               "hardware": machine["hardware"], "dtype": machine["dtype"], "runtime": machine["runtime"],
                "datastores": list(self.datastores), "draft_model": self.draft_model,
                "middle_model": self.middle_model, "self_verify": self.self_verify}
         return CarriedState(learned_path(self.learned_dir, key), key)
