@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -238,6 +239,7 @@ def test_generate_and_serve_keep_what_drafters_learn_unless_told_not_to(tmp_path
 
     model_dir = str(save_model_dir(tmp_path / "tiny", vocab_size=64, seed=5, max_positions=64))
     learned = user_cache_dir() / "learned"  # the tests' private cache (conftest)
+    shutil.rmtree(learned, ignore_errors=True)
     run = ["generate", "w1 w2 w3 w1 w2 w3 w1", "--model", model_dir, "--raw", "--method", "pld:min_ngram=1",
            "--max-new-tokens", "12", "--json"]
     assert main(run + ["--no-keep-learned"]) == 0
@@ -253,3 +255,24 @@ def test_generate_and_serve_keep_what_drafters_learn_unless_told_not_to(tmp_path
     assert parser.parse_args(["generate", "hi"]).keep_learned is True
     assert parser.parse_args(["generate", "hi", "--no-keep-learned"]).keep_learned is False
     assert parser.parse_args(["serve", "--no-keep-learned"]).keep_learned is False
+
+
+def test_the_python_api_keeps_what_it_learned_across_processes_only_when_asked():
+    import hierspec
+    from hierspec.errors import InputError
+    from hierspec.paths import user_cache_dir
+
+    target = make_target("llama", vocab_size=64, seed=3)
+    learned = user_cache_dir() / "learned"  # the tests' private cache (conftest)
+    prompt = " ".join(f"w{t}" for t in _prompts(1)[0])
+    def files() -> set:
+        return set(learned.iterdir()) if learned.exists() else set()
+
+    before = files()  # other tests of this session may have left some
+    plain = hierspec.generate(target, prompt, method="ar", raw=True, max_new_tokens=12).token_ids
+    assert hierspec.generate(target, prompt, method="pld", raw=True, max_new_tokens=12).token_ids == plain
+    assert files() == before
+    kept = hierspec.generate(target, prompt, method="pld", raw=True, max_new_tokens=12, keep_learned=True)
+    assert kept.token_ids == plain and len(files() - before) == 1
+    with pytest.raises(InputError, match="keep_learned"):
+        hierspec.generate(target, prompt, method="pld", raw=True, keep_learned="yes")

@@ -14,37 +14,42 @@ from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecod
 from hierspec.drafters import Drafter
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
+from hierspec.paths import user_cache_dir
 from hierspec.target import TargetModel
 
 
-def _decoder(model: TargetModel, method: str | Drafter, datastores) -> SpeculativeDecoder:
+def _decoder(model: TargetModel, method: str | Drafter, datastores, keep_learned: bool) -> SpeculativeDecoder:
     if isinstance(method, Drafter):
-        _context(model, datastores)
+        _context(model, datastores, keep_learned)
         return SpeculativeDecoder(model, method)
     if not isinstance(method, str):
         raise InputError(f"method must be a method name such as 'hd' or a Drafter, not {method!r}")
-    return SpeculativeDecoder(model, make_drafter(method, _context(model, datastores)))
+    return SpeculativeDecoder(model, make_drafter(method, _context(model, datastores, keep_learned)))
 
 
-#: one drafter context per loaded model and datastore list, so that repeated calls open stores and draft models once
-#: (~70 ms a call for SmolLM2's default stores, seconds for a draft model) and keep what learns across generations,
-#: as the server does; dropped with the model
-_CONTEXTS: weakref.WeakKeyDictionary[TargetModel, dict[tuple[str, ...], DrafterContext]] = weakref.WeakKeyDictionary()
+#: one drafter context per loaded model, datastore list and learned-state choice, so that repeated calls open stores
+#: and draft models once (~70 ms a call for SmolLM2's default stores, seconds for a draft model) and keep what learns
+#: across generations, as the server does; dropped with the model
+_CONTEXTS: weakref.WeakKeyDictionary[TargetModel, dict[tuple, DrafterContext]] = weakref.WeakKeyDictionary()
 _CONTEXTS_LOCK = threading.Lock()
 
 
-def _context(model: TargetModel, datastores) -> DrafterContext:
+def _context(model: TargetModel, datastores, keep_learned: bool = False) -> DrafterContext:
     if not isinstance(model, TargetModel):
         raise InputError(f"model must be a loaded hierspec model (hierspec.load_model()), not {type(model).__name__}")
     if isinstance(datastores, (str, os.PathLike)):
         datastores = (datastores,)  # one directory, not a sequence of characters
     if not all(isinstance(d, (str, os.PathLike)) for d in datastores):
         raise InputError("datastores must be directory paths")
-    key = tuple(map(str, datastores))
+    if not isinstance(keep_learned, bool):
+        raise InputError(f"keep_learned must be True or False, not {keep_learned!r}")
+    stores = tuple(map(str, datastores))
+    key = (stores, keep_learned)
     with _CONTEXTS_LOCK:
         contexts = _CONTEXTS.setdefault(model, {})
         if key not in contexts:
-            contexts[key] = DrafterContext(model, key)
+            learned_dir = str(user_cache_dir() / "learned") if keep_learned else None
+            contexts[key] = DrafterContext(model, stores, learned_dir=learned_dir)
         return contexts[key]
 
 
@@ -81,6 +86,7 @@ def generate(
     method: str | Drafter = "hd",
     raw: bool = False,
     datastores: tuple[str, ...] | list[str] = (),
+    keep_learned: bool = False,
     **options,
 ) -> GenerationResult:
     """Generate text for a prompt.
@@ -93,11 +99,14 @@ def generate(
             may be given as a string. Stores and draft models are opened by the first call for a loaded model and
             these directories, and reused by later calls (with what learns across generations: ``hd``'s successor
             table and earlier outputs); a store rebuilt in place is read after loading the model again.
+        keep_learned: also start from what earlier *processes* learned with this model and method, and keep what
+            this one learns, in ``~/.cache/hierspec/learned`` (as ``hierspec generate`` does by default; within a
+            process, calls always carry it: :mod:`hierspec.drafters.carried`). Outputs never depend on it.
         options: :func:`make_config` keywords (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``,
             ``stop``, ``max_draft_tokens``).
     """
     config = _config(options)
-    return _decoder(model, method, datastores).generate(model.encode_prompt(prompt, raw=raw), config)
+    return _decoder(model, method, datastores, keep_learned).generate(model.encode_prompt(prompt, raw=raw), config)
 
 
 def stream(
@@ -106,11 +115,12 @@ def stream(
     method: str | Drafter = "hd",
     raw: bool = False,
     datastores: tuple[str, ...] | list[str] = (),
+    keep_learned: bool = False,
     **options,
 ) -> GenerationStream:
     """Like :func:`generate`, but iterate the returned stream for text deltas; ``stream.result`` is set at the end."""
     config = _config(options)
-    return _decoder(model, method, datastores).stream(model.encode_prompt(prompt, raw=raw), config)
+    return _decoder(model, method, datastores, keep_learned).stream(model.encode_prompt(prompt, raw=raw), config)
 
 
 def generate_batch(
@@ -121,6 +131,7 @@ def generate_batch(
     datastores: tuple[str, ...] | list[str] = (),
     max_batch: int = 8,
     max_rows: int = 64,
+    keep_learned: bool = False,
     **options,
 ) -> list[GenerationResult]:
     """Generate for many prompts at once: up to ``max_batch`` verified together per forward (continuous batching,
@@ -136,11 +147,11 @@ def generate_batch(
     if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
         raise InputError("prompts must be a list of strings")
     if isinstance(method, str):
-        context = _context(model, datastores)
+        context = _context(model, datastores, keep_learned)
         method_name = method
         new_drafter = lambda: make_drafter(method_name, context)  # noqa: E731
     elif callable(method) and not isinstance(method, Drafter):
-        _context(model, datastores)
+        _context(model, datastores, keep_learned)
         new_drafter = method
     else:
         raise InputError("method must be a method name such as 'hd' or a function returning a new Drafter "
