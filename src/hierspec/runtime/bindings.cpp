@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
+  m.def("prompt_norm", &prompt_norm, "a prompt layer's input norm, in the products' dtype");
+  m.def("prompt_qkv", &prompt_qkv, "a prompt layer's rotated queries and keys and its values from the q/k/v product");
+  m.def("prompt_add_norm", &prompt_add_norm, "a prompt layer's residual sum in place, then the next norm");
+  m.def("prompt_activation", &prompt_activation, "silu(gate) * up of a prompt layer's gate/up product");
   m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
   m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
   pybind11::class_<ExactLayerStack>(m, "ExactLayerStack")

@@ -92,6 +92,11 @@ class Projection:
             return [F.linear(rows, w, b) for w, b in zip(self.weights, self.biases)]
         return list(product.split(self.widths, dim=-1)) if split else [product]
 
+    def raw(self, rows: torch.Tensor) -> torch.Tensor:
+        """The stacked product of ``rows`` already in :attr:`product_dtype`, left in it and without the bias (the
+        prompt glue widens it and adds what follows)."""
+        return packed_linear(rows, self.weight, None) if self.prepacked else F.linear(rows, self.weight)
+
 
 @dataclass(frozen=True)
 class _Rows:
@@ -203,6 +208,7 @@ class LlamaFamilyDecoder:
         self._fused = Int4Layers.for_decoder(self) if compiled else None
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
         self._activation = self._fused.activation if self._fused is not None else _silu_product
+        self._glue = _PromptGlue.for_decoder(self, product_dtype) if quantized is None else None
 
     def with_row_codes(self, one_code: bool) -> LlamaFamilyDecoder:
         """This int4 decoder with its layers' integer (VNNI) products taking rows as one 8-bit code an input or as
@@ -273,6 +279,9 @@ class LlamaFamilyDecoder:
         compiled = self._compiled_exact(segments, plans, pooled, rows) if exact and self._fused is not None else None
         if compiled is not None:
             hidden = self._fused.exact_layers(hidden, cos, sin, compiled)
+        elif self._glue is not None and not exact and slots is None:
+            for index, layer in enumerate(self.layers):
+                hidden = self._glue_layer(index, layer, hidden, cos, sin, segments)
         else:
             for index, layer in enumerate(self.layers):
                 hidden = self._layer(index, layer, hidden, cos, sin, segments, rows, slots, plans)
@@ -346,13 +355,32 @@ class LlamaFamilyDecoder:
             query, key, value = self._fused.attention_inputs(layer, hidden, cos, sin)
         else:
             query, key, value = self._attention_inputs(layer, self._norm(hidden, layer.norm1, self.eps), cos, sin, rows)
+        return self._mlp(layer, hidden, self._attend(index, query, key, value, segments, slots, plans))
+
+    def _glue_layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    segments: Sequence[Segment]) -> torch.Tensor:
+        """:meth:`_layer` of the expanded prompt decoder with the compiled glue between its products
+        (:class:`_PromptGlue`): ``hidden`` is updated in place and returned."""
+        glue, module = self._glue, self._glue.module
+        normed = module.prompt_norm(hidden, layer.norm1, self.eps, glue.dtype)
+        query, key, value = module.prompt_qkv(layer.qkv.raw(normed), layer.qkv.bias, cos, sin, self.heads,
+                                              self.kv_heads, self.head_dim)
+        attended = self._attend(index, query, key, value, segments).to(glue.dtype)
+        normed = module.prompt_add_norm(hidden, layer.out.raw(attended), layer.norm2, self.eps, glue.dtype)
+        act = module.prompt_activation(layer.gate_up.raw(normed), layer.gate_up.widths[0], glue.dtype)
+        return module.prompt_add_norm(hidden, layer.down.raw(act), None, self.eps, glue.dtype)
+
+    def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                segments: Sequence[Segment], slots: SlotBatch | SlotWrites | None = None,
+                plans: Sequence[ExactPlan] | ExactPlan | None = None) -> torch.Tensor:
+        """Layer ``index``'s keys and values written to the caches and its attention output ``[rows, heads * d]``:
+        over a slot pool's blocks, its slots, or each sequence's own cache."""
         if isinstance(slots, SlotWrites):
             write_slot_rows(slots, index, key, value)
             keys, values = (buffer[index].flatten(0, 1) for buffer in (slots.pool.keys, slots.pool.values))
-            return self._mlp(layer, hidden, exact_attention_blocks(query, keys, values, plans, self.kv_heads,
-                                                                   self.scaling))
+            return exact_attention_blocks(query, keys, values, plans, self.kv_heads, self.scaling)
         if slots is not None:
-            return self._mlp(layer, hidden, slot_attention(slots, index, query, key, value, self.scaling))
+            return slot_attention(slots, index, query, key, value, self.scaling)
         parts = []
         whole = len(segments) == 1
         for number, s in enumerate(segments):
@@ -369,8 +397,7 @@ class LlamaFamilyDecoder:
             else:
                 attended, _ = tree_attention(None, own_query, keys, values, s.mask, scaling=self.scaling)
                 parts.append(attended.reshape(s.stop - s.start, self.heads * self.head_dim))
-        attended = parts[0] if whole else torch.cat(parts, dim=0)
-        return self._mlp(layer, hidden, attended)
+        return parts[0] if whole else torch.cat(parts, dim=0)
 
     def _prompt_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt's rows ``[1, heads, rows, d]`` over their own keys and values ``[1, kv_heads,
@@ -515,6 +542,35 @@ class Int4Layers:
     def mlp(self, layer: _Layer, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         return self._module.mlp_block(hidden, attended, layer.norm2, self._decoder.eps, layer.out.native,
                                       layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])
+
+
+@dataclass(frozen=True)
+class _PromptGlue:
+    """The compiled glue of the int4 path's expanded prompt decoder (``prompt_norm``, ``prompt_qkv``,
+    ``prompt_add_norm``, ``prompt_activation`` in ``int4_blocks.cpp``): between its products each run of a layer's
+    small tensor operations is one call — ~25 fewer calls a layer. Its arithmetic is the int4 path's (compiled
+    norm, rotation and activation; each result rounded once to ``dtype``), not PyTorch's operation for operation:
+    only a decoder whose products are in a narrower dtype than its float32 rows takes it (the float paths keep
+    transformers' arithmetic)."""
+
+    module: object
+    dtype: torch.dtype
+
+    @staticmethod
+    def for_decoder(decoder: LlamaFamilyDecoder, product_dtype: torch.dtype | None) -> _PromptGlue | None:
+        """The glue for ``decoder`` where its products are one packed ``product_dtype`` product per projection, bias
+        free but for q/k/v, its rows float32 on the CPU and the compiled extension built here (the int4 path, the
+        only one that makes such a decoder, has asked for it first); else ``None``."""
+        module, _ = int4_kernel.compiled_kernel()
+        if (product_dtype is None or module is None or not hasattr(module, "prompt_qkv")
+                or decoder.embedding.dtype != torch.float32 or decoder.embedding.device.type != "cpu"):
+            return None
+        for layer in decoder.layers:
+            projections = (layer.qkv, layer.out, layer.gate_up, layer.down)
+            if not all(isinstance(p, Projection) and p.packed and p.product_dtype == product_dtype
+                       for p in projections) or any(p.bias is not None for p in projections[1:]):
+                return None
+        return _PromptGlue(module, product_dtype)
 
 
 def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,11 @@
 // operations do, the RMS norm (rms_norm) and the MLP activation (silu_product) compiled on both paths — so the
 // results are the Python decoder's bit for bit (tests/test_quantized.py). The rotation and activation loops replaced
 // ~10 ATen calls a layer (BENCHMARKS.md, "Eighteenth session").
+//
+// The prompt glue (prompt_norm, prompt_qkv, prompt_add_norm, prompt_activation): the same loops between the products
+// of the int4 path's expanded prompt decoder, whose products (oneDNN's, bfloat16 on CPUs that compute it) stay in
+// Python: each replaces a run of PyTorch operations of a layer (~25 calls a layer in all, each a dispatch and a pass
+// over the rows) by one call (BENCHMARKS.md, "Fifty-third session").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -148,6 +153,93 @@ at::Tensor add_into(at::Tensor sum, const at::Tensor& other) {
   return sum;
 }
 
+// silu(g) * u of one row of `width` elements (silu_times per lane)
+inline void silu_row(const float* g, const float* u, int64_t width, float* out) {
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    const vf v = silu_times(load(g + i), load(u + i));
+    std::memcpy(out + i, &v, sizeof v);
+  }
+  if (i < width) {  // the tail through one zero-padded vector: the same operations per element
+    vf gt{}, ut{};
+    std::memcpy(&gt, g + i, (width - i) * sizeof(float));
+    std::memcpy(&ut, u + i, (width - i) * sizeof(float));
+    const vf v = silu_times(gt, ut);
+    std::memcpy(out + i, &v, (width - i) * sizeof(float));
+  }
+}
+
+// bfloat16 values (their bits) widened to float32, exactly
+inline void widen_bf16(const uint16_t* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    std::memcpy(out + i, &bits, sizeof bits);
+  }
+}
+
+// float32 values narrowed to bfloat16 bits, rounded to nearest even as PyTorch's conversion rounds (a NaN stays one)
+inline void narrow_bf16(const float* in, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, in + i, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    out[i] = static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+  }
+}
+
+// Rows of a float32 or bfloat16 [rows, width] tensor (rows contiguous), read as float32 or written from it
+struct RowsOf {
+  float* f = nullptr;
+  uint16_t* b = nullptr;
+  int64_t stride = 0;
+
+  explicit RowsOf(const at::Tensor& t) : stride(t.stride(0)) {
+    TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16),
+                "float32 or bfloat16 [rows, width] with contiguous rows");
+    if (t.scalar_type() == at::kFloat) f = static_cast<float*>(t.data_ptr());
+    else b = static_cast<uint16_t*>(t.data_ptr());
+  }
+  // elements from..from + n of row r as float32 into out
+  void read(int64_t r, int64_t from, int64_t n, float* out) const {
+    if (f != nullptr) std::memcpy(out, f + r * stride + from, n * sizeof(float));
+    else widen_bf16(b + r * stride + from, n, out);
+  }
+  // row r's first n elements from float32
+  void write(int64_t r, const float* in, int64_t n) const {
+    if (f != nullptr) std::memcpy(f + r * stride, in, n * sizeof(float));
+    else narrow_bf16(in, n, b + r * stride);
+  }
+};
+
+// rows of a prompt's element-wise work a thread takes at least (a row is a few hundred to a few thousand elements)
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kParallelElements / std::max<int64_t>(width, 1)); }
+
+// weight * hidden / sqrt(mean(hidden^2) + eps) of one row of `width` floats: the sum of squares in vector lanes, in an
+// order fixed by the width alone (a row's result does not depend on the rows beside it).
+inline void norm_row(const float* xr, const float* w, float eps, int64_t width, float* out) {
+  vf part{};
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) part = load(xr + i) * load(xr + i) + part;
+  float total = lane_sum(part);
+  for (; i < width; ++i) total = xr[i] * xr[i] + total;
+  const float scale = 1.f / std::sqrt(total / static_cast<float>(width) + eps);
+  for (int64_t j = 0; j < width; ++j) out[j] = w[j] * (xr[j] * scale);
+}
+
+// norm_row of every row of a contiguous float32 [rows, width], the rows shared between threads from
+// kParallelElements elements on (a prompt's rows; a tree's few stay on one thread)
+at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps) {
+  const int64_t count = rows.size(0), width = rows.size(1);
+  auto out = at::empty_like(rows);
+  const float* x = rows.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(x + r * width, w, static_cast<float>(eps), width, o + r * width);
+  });
+  return out;
+}
+
 }  // namespace
 
 at::Tensor project_stacks(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
@@ -166,50 +258,16 @@ at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
   const float* ups = up.data_ptr<float>();
   float* outs = act.data_ptr<float>();
   // rows shared between the threads from kParallelElements elements on (a 16-row SmolLM2 forward: ~0.4 ms alone)
-  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelElements / std::max<int64_t>(width, 1)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gates + r * gate.stride(0);
-      const float* u = ups + r * up.stride(0);
-      float* out = outs + r * width;
-      int64_t i = 0;
-      for (; i + kLanes <= width; i += kLanes) {
-        const vf v = silu_times(load(g + i), load(u + i));
-        std::memcpy(out + i, &v, sizeof v);
-      }
-      if (i < width) {  // the tail through one zero-padded vector: the same operations per element
-        vf gt{}, ut{};
-        std::memcpy(&gt, g + i, (width - i) * sizeof(float));
-        std::memcpy(&ut, u + i, (width - i) * sizeof(float));
-        const vf v = silu_times(gt, ut);
-        std::memcpy(out + i, &v, (width - i) * sizeof(float));
-      }
-    }
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      silu_row(gates + r * gate.stride(0), ups + r * up.stride(0), width, outs + r * width);
   });
   return act;
 }
 
-// weight * hidden / sqrt(mean(hidden^2) + eps) per row of a contiguous float32 [rows, width]: the sum of squares in
-// vector lanes, in an order fixed by the width alone (a row's result does not depend on the rows beside it).
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: float32 [rows, width]");
-  const auto rows = hidden.contiguous();
-  const int64_t count = rows.size(0), width = rows.size(1);
-  auto out = at::empty_like(rows);
-  const float* x = rows.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for (int64_t r = 0; r < count; ++r) {
-    const float* xr = x + r * width;
-    vf part{};
-    int64_t i = 0;
-    for (; i + kLanes <= width; i += kLanes) part = load(xr + i) * load(xr + i) + part;
-    float total = lane_sum(part);
-    for (; i < width; ++i) total = xr[i] * xr[i] + total;
-    const float scale = 1.f / std::sqrt(total / static_cast<float>(width) + static_cast<float>(eps));
-    for (int64_t j = 0; j < width; ++j) o[r * width + j] = w[j] * (xr[j] * scale);
-  }
-  return out;
+  return norm_rows(hidden.contiguous(), weight, eps);
 }
 
 // Rotated queries and keys and the values [1, heads, rows, dim] of hidden [rows, hidden] (the decoder's
@@ -234,4 +292,93 @@ at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const
   const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
   const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate));
   return add_into(project(act, down, none), residual);
+}
+
+// The expanded prompt decoder's glue (see the top of this file): hidden float32 [rows, width], the products in their
+// dtype (bfloat16, or float32), each widened exactly before float32 arithmetic and each result rounded once to the
+// dtype the next product takes — the same bits as the ATen conversions between the same loops.
+
+// The input norm of a layer, in `dtype`.
+at::Tensor prompt_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::ScalarType dtype) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
+              "hidden: contiguous float32 [rows, width]");
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  auto out = at::empty({rows, width}, hidden.options().dtype(dtype));
+  const RowsOf to(out);
+  const float* x = hidden.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(width));
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(x + r * width, w, static_cast<float>(eps), width, row.data());
+      to.write(r, row.data(), width);
+    }
+  });
+  return out;
+}
+
+// The rotated queries and keys and the values, each float32 [1, heads, rows, dim], of a q/k/v product [rows,
+// (heads + 2 kv_heads) dim] plus its float32 bias where given (widened, the bias added, then rotate_heads).
+std::vector<at::Tensor> prompt_qkv(const at::Tensor& product, const c10::optional<at::Tensor>& bias,
+                                   const at::Tensor& cos, const at::Tensor& signed_sin, int64_t heads,
+                                   int64_t kv_heads, int64_t dim) {
+  const RowsOf from(product);
+  const int64_t rows = product.size(0), width = product.size(1);
+  auto wide = at::empty({rows, width}, product.options().dtype(at::kFloat));
+  float* w = wide.data_ptr<float>();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = w + r * width;
+      from.read(r, 0, width, row);
+      if (b != nullptr)
+        for (int64_t i = 0; i < width; ++i) row[i] = row[i] + b[i];
+    }
+  });
+  return rotate_heads(wide, cos, signed_sin, heads, kv_heads, dim);
+}
+
+// hidden += product (in place: the residual), then, with `weight`, the next norm of the sum in `dtype` (else hidden).
+at::Tensor prompt_add_norm(at::Tensor hidden, const at::Tensor& product, const c10::optional<at::Tensor>& weight,
+                           double eps, at::ScalarType dtype) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() &&
+                  product.sizes() == hidden.sizes(),
+              "hidden: contiguous float32 [rows, width]; product: the same shape");
+  const RowsOf from(product);
+  const int64_t rows = hidden.size(0), width = hidden.size(1);
+  at::Tensor out = weight.has_value() ? at::empty({rows, width}, hidden.options().dtype(dtype)) : hidden;
+  const RowsOf to(out);
+  float* x = hidden.data_ptr<float>();
+  const float* w = weight.has_value() ? weight->data_ptr<float>() : nullptr;
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(static_cast<size_t>(width)), normed(w != nullptr ? static_cast<size_t>(width) : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = x + r * width;
+      from.read(r, 0, width, row.data());
+      for (int64_t i = 0; i < width; ++i) xr[i] = row[i] + xr[i];  // as ATen's `hidden + product`
+      if (w != nullptr) {
+        norm_row(xr, w, static_cast<float>(eps), width, normed.data());
+        to.write(r, normed.data(), width);
+      }
+    }
+  });
+  return out;
+}
+
+// silu(gate) * up of a gate/up product [rows, 2 intermediate] (silu_product's arithmetic), in `dtype`.
+at::Tensor prompt_activation(const at::Tensor& gate_up, int64_t intermediate, at::ScalarType dtype) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) == 2 * intermediate, "gate/up product: [rows, 2 intermediate]");
+  const RowsOf from(gate_up);
+  const int64_t rows = gate_up.size(0);
+  auto out = at::empty({rows, intermediate}, gate_up.options().dtype(dtype));
+  const RowsOf to(out);
+  at::parallel_for(0, rows, row_grain(2 * intermediate), [&](int64_t begin, int64_t end) {
+    std::vector<float> both(static_cast<size_t>(2 * intermediate)), act(static_cast<size_t>(intermediate));
+    for (int64_t r = begin; r < end; ++r) {
+      from.read(r, 0, 2 * intermediate, both.data());
+      silu_row(both.data(), both.data() + intermediate, intermediate, act.data());
+      to.write(r, act.data(), intermediate);
+    }
+  });
+  return out;
 }

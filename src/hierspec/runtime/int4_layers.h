@@ -35,6 +35,14 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
                                          const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
                                          const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim);
 at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up);
+// the expanded prompt decoder's glue between its products
+at::Tensor prompt_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::ScalarType dtype);
+std::vector<at::Tensor> prompt_qkv(const at::Tensor& product, const c10::optional<at::Tensor>& bias,
+                                   const at::Tensor& cos, const at::Tensor& signed_sin, int64_t heads,
+                                   int64_t kv_heads, int64_t dim);
+at::Tensor prompt_add_norm(at::Tensor hidden, const at::Tensor& product, const c10::optional<at::Tensor>& weight,
+                           double eps, at::ScalarType dtype);
+at::Tensor prompt_activation(const at::Tensor& gate_up, int64_t intermediate, at::ScalarType dtype);
 at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const at::Tensor& norm_weight, double eps,
                      const std::vector<std::vector<at::Tensor>>& out,
                      const std::vector<std::vector<at::Tensor>>& gate_up,
