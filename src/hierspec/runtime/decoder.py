@@ -451,6 +451,11 @@ class LlamaFamilyDecoder:
             size *= 2
         size = max(needed, min(size, self._max_positions))
         probe = self.embedding[:1][None]
+        # first on two positions (one thread): a process's first cos over thousands of positions, shared between two
+        # threads, gave half the table other values in 3 of 16 processes on an Intel Xeon (max 1.5e-4 apart, so
+        # greedy outputs changed from process to process); after this small call, 0 of 16 (BENCHMARKS.md,
+        # "Fifty-third session")
+        self._rotary(probe, torch.arange(2, device=probe.device)[None])
         cos, sin = self._rotary(probe, torch.arange(size, device=probe.device)[None])
         half = self.head_dim // 2
         self._cos, self._sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
@@ -561,9 +566,11 @@ class _PromptGlue:
         """The glue for ``decoder`` where its products are one packed ``product_dtype`` product per projection, bias
         free but for q/k/v, its rows float32 on the CPU and the compiled extension built here (the int4 path, the
         only one that makes such a decoder, has asked for it first); else ``None``."""
+        if (product_dtype is None or decoder.embedding.dtype != torch.float32
+                or decoder.embedding.device.type != "cpu"):
+            return None  # before asking for the extension: no other path ever builds it
         module, _ = int4_kernel.compiled_kernel()
-        if (product_dtype is None or module is None or not hasattr(module, "prompt_qkv")
-                or decoder.embedding.dtype != torch.float32 or decoder.embedding.device.type != "cpu"):
+        if module is None or not hasattr(module, "prompt_qkv"):
             return None
         for layer in decoder.layers:
             projections = (layer.qkv, layer.out, layer.gate_up, layer.down)
