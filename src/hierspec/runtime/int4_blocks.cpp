@@ -199,10 +199,10 @@ struct RowsOf {
     if (t.scalar_type() == at::kFloat) f = static_cast<float*>(t.data_ptr());
     else b = static_cast<uint16_t*>(t.data_ptr());
   }
-  // elements from..from + n of row r as float32 into out
-  void read(int64_t r, int64_t from, int64_t n, float* out) const {
-    if (f != nullptr) std::memcpy(out, f + r * stride + from, n * sizeof(float));
-    else widen_bf16(b + r * stride + from, n, out);
+  // row r's first n elements as float32 into out
+  void read(int64_t r, int64_t n, float* out) const {
+    if (f != nullptr) std::memcpy(out, f + r * stride, n * sizeof(float));
+    else widen_bf16(b + r * stride, n, out);
   }
   // row r's first n elements from float32
   void write(int64_t r, const float* in, int64_t n) const {
@@ -330,7 +330,7 @@ std::vector<at::Tensor> prompt_qkv(const at::Tensor& product, const c10::optiona
   at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = w + r * width;
-      from.read(r, 0, width, row);
+      from.read(r, width, row);
       if (b != nullptr)
         for (int64_t i = 0; i < width; ++i) row[i] = row[i] + b[i];
     }
@@ -354,7 +354,7 @@ at::Tensor prompt_add_norm(at::Tensor hidden, const at::Tensor& product, const c
     std::vector<float> row(static_cast<size_t>(width)), normed(w != nullptr ? static_cast<size_t>(width) : 0);
     for (int64_t r = begin; r < end; ++r) {
       float* xr = x + r * width;
-      from.read(r, 0, width, row.data());
+      from.read(r, width, row.data());
       for (int64_t i = 0; i < width; ++i) xr[i] = row[i] + xr[i];  // as ATen's `hidden + product`
       if (w != nullptr) {
         norm_row(xr, w, static_cast<float>(eps), width, normed.data());
@@ -375,7 +375,7 @@ at::Tensor prompt_activation(const at::Tensor& gate_up, int64_t intermediate, at
   at::parallel_for(0, rows, row_grain(2 * intermediate), [&](int64_t begin, int64_t end) {
     std::vector<float> both(static_cast<size_t>(2 * intermediate)), act(static_cast<size_t>(intermediate));
     for (int64_t r = begin; r < end; ++r) {
-      from.read(r, 0, 2 * intermediate, both.data());
+      from.read(r, 2 * intermediate, both.data());
       silu_row(both.data(), both.data() + intermediate, intermediate, act.data());
       to.write(r, act.data(), intermediate);
     }
