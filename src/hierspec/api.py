@@ -12,9 +12,9 @@ from hierspec.batching import BatchConfig, decode_batch
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import GenerationResult, GenerationStream, SpeculativeDecoder
 from hierspec.drafters import Drafter
+from hierspec.drafters.carried import default_learned_dir
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
-from hierspec.paths import user_cache_dir
 from hierspec.target import TargetModel
 
 
@@ -48,7 +48,7 @@ def _context(model: TargetModel, datastores, keep_learned: bool = False) -> Draf
     with _CONTEXTS_LOCK:
         contexts = _CONTEXTS.setdefault(model, {})
         if key not in contexts:
-            learned_dir = str(user_cache_dir() / "learned") if keep_learned else None
+            learned_dir = str(default_learned_dir()) if keep_learned else None
             contexts[key] = DrafterContext(model, stores, learned_dir=learned_dir)
         return contexts[key]
 

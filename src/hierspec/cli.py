@@ -84,14 +84,14 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False):
+    from hierspec.drafters.carried import default_learned_dir
     from hierspec.methods import DrafterContext
-    from hierspec.paths import user_cache_dir
 
     return DrafterContext(model, tuple(args.datastore), draft_model=args.draft_model,
                           middle_model=args.middle_model, self_verify=args.self_verify,
                           model_config=_model_config(args), draft_vocab=_draft_vocab(args),
                           draft_requantize=args.draft_requantize,
-                          learned_dir=str(user_cache_dir() / "learned") if keep_learned else None)
+                          learned_dir=str(default_learned_dir()) if keep_learned else None)
 
 
 def _add_learned_option(parser: argparse.ArgumentParser) -> None:

@@ -77,7 +77,6 @@ class DrafterContext:
 
         if self.learned_dir is None:
             return CarriedState()
-        # the gates learn milliseconds: another CPU, dtype or runtime learns its own
         machine = machine_identity(self.target)
         key = {"method": spec.label, "model": self.target.name, "tokenizer": self.target.tokenizer_fingerprint[:16],
                "hardware": machine["hardware"], "dtype": machine["dtype"], "runtime": machine["runtime"],

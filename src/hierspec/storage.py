@@ -87,7 +87,13 @@ def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
 def write_json_atomic(path: Path, data) -> None:
     """Write JSON through a temporary file renamed into place; a failed write leaves neither a partial file nor
     the temporary one."""
-    tmp = _json_beside(path, data)
+    write_bytes_atomic(path, _json_bytes(data))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` through a temporary file renamed into place; a failed write leaves neither a partial file nor
+    the temporary one."""
+    tmp = _bytes_beside(path, data)
     try:
         os.replace(tmp, path)
     finally:
@@ -95,14 +101,23 @@ def write_json_atomic(path: Path, data) -> None:
             os.unlink(tmp)
 
 
+def _json_bytes(data) -> bytes:
+    """``data`` as the JSON text hierspec's files hold: indented, one newline at the end."""
+    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
+
+
 def _json_beside(path: Path, data) -> str:
-    """``data`` as JSON in a new temporary file beside ``path``, flushed to the disk: its name (removed again when
-    the write fails)."""
+    """``data`` as JSON in a new temporary file beside ``path`` (:func:`_bytes_beside`)."""
+    return _bytes_beside(path, _json_bytes(data))
+
+
+def _bytes_beside(path: Path, data: bytes) -> str:
+    """``data`` in a new temporary file beside ``path``, flushed to the disk: its name (removed again when the write
+    fails)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
     except BaseException:

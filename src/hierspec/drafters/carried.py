@@ -32,9 +32,7 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -54,9 +52,17 @@ _NUMPY = frozenset({"numpy", "numpy.core.multiarray", "numpy._core.multiarray", 
                     "numpy._core.numeric"})
 
 
+def default_learned_dir() -> Path:
+    """Where the command line (and the Python API with ``keep_learned=True``) keeps learned-state files:
+    ``~/.cache/hierspec/learned``."""
+    from hierspec.paths import user_cache_dir
+
+    return user_cache_dir() / "learned"
+
+
 def learned_path(root: str | Path, key: dict) -> Path:
-    """The file under ``root`` for snapshots learned under ``key`` (model, tokenizer, method and drafting
-    settings; see :meth:`~hierspec.methods.DrafterContext.learned_state`)."""
+    """The file under ``root`` for snapshots learned under ``key`` (model, tokenizer, machine, method and drafting
+    settings; see :meth:`~hierspec.methods.DrafterContext.carried_state`)."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(root) / f"{key.get('method', 'method')}-{digest}.learned".replace("/", "_").replace(":", "_")
 
@@ -65,14 +71,13 @@ class _SnapshotUnpickler(pickle.Unpickler):
     """Builds hierspec's classes, NumPy arrays and plain containers only: a snapshot file never runs other code."""
 
     def find_class(self, module: str, name: str):
-        allowed = ((module == "builtins" and name in _BUILTINS) or (module == "collections" and name in _COLLECTIONS)
-                   or module in _NUMPY or (module == "copyreg" and name == "_reconstructor"))
-        if not allowed and module.startswith("hierspec."):
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        if allowed:
+        if ((module == "builtins" and name in _BUILTINS) or (module == "collections" and name in _COLLECTIONS)
+                or module in _NUMPY or (module == "copyreg" and name == "_reconstructor")):
             return super().find_class(module, name)
+        if module.startswith("hierspec."):
+            found = super().find_class(module, name)
+            if isinstance(found, type):  # a class, never a function
+                return found
         raise pickle.UnpicklingError(f"a learned-state file may not hold {module}.{name}")
 
 
@@ -126,21 +131,14 @@ class CarriedState:
         return state
 
     def _write(self, snapshot: Any) -> None:
-        from hierspec.storage import storage_problem
+        from hierspec.storage import storage_problem, write_bytes_atomic
 
         payload = pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
         header = {"magic": MAGIC, "version": VERSION, "key": self._key,
                   "sha256": hashlib.sha256(payload).hexdigest()}
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            handle, tmp = tempfile.mkstemp(prefix=".learned-", dir=self._path.parent)
-            try:
-                with os.fdopen(handle, "wb") as out:
-                    out.write(json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
-                os.replace(tmp, self._path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            write_bytes_atomic(self._path, json.dumps(header, sort_keys=True).encode() + b"\n" + payload)
         except OSError as exc:
             log.warning("cannot keep the learned drafter state across processes: %s; it is kept in this process "
                         "only", storage_problem(exc))

@@ -81,8 +81,7 @@ class Projection:
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
         """The members' products with ``rows``; packed and ``split=False``: one tensor of them all side by side."""
         if self.product_dtype is not None:
-            narrowed = rows.to(self.product_dtype)
-            product = packed_linear(narrowed, self.weight, None) if self.prepacked else F.linear(narrowed, self.weight)
+            product = self.raw(rows.to(self.product_dtype))
             if not self.narrow_output:
                 product = product.to(rows.dtype)
                 product = product if self.bias is None else product + self.bias
