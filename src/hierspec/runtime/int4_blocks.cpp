@@ -226,16 +226,21 @@ inline void norm_row(const float* xr, const float* w, float eps, int64_t width, 
   for (int64_t j = 0; j < width; ++j) out[j] = w[j] * (xr[j] * scale);
 }
 
-// norm_row of every row of a contiguous float32 [rows, width], the rows shared between threads from
-// kParallelElements elements on (a prompt's rows; a tree's few stay on one thread)
-at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps) {
+// norm_row of every row of a contiguous float32 [rows, width], in `dtype` (float32 or bfloat16, rounded once), the
+// rows shared between threads from kParallelElements elements on (a prompt's rows; a tree's few stay on one thread)
+at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps, at::ScalarType dtype) {
   const int64_t count = rows.size(0), width = rows.size(1);
-  auto out = at::empty_like(rows);
+  auto out = at::empty({count, width}, rows.options().dtype(dtype));
+  const RowsOf to(out);
   const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
   at::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(x + r * width, w, static_cast<float>(eps), width, o + r * width);
+    // float32 rows straight into the output (the decoding step's norms); bfloat16 ones through one row of float32
+    std::vector<float> row(to.f != nullptr ? 0 : static_cast<size_t>(width));
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(x + r * width, w, static_cast<float>(eps), width, to.f != nullptr ? to.f + r * width : row.data());
+      if (to.f == nullptr) to.write(r, row.data(), width);
+    }
   });
   return out;
 }
@@ -267,7 +272,7 @@ at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
 
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: float32 [rows, width]");
-  return norm_rows(hidden.contiguous(), weight, eps);
+  return norm_rows(hidden.contiguous(), weight, eps, at::kFloat);
 }
 
 // Rotated queries and keys and the values [1, heads, rows, dim] of hidden [rows, hidden] (the decoder's
@@ -302,19 +307,7 @@ at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const
 at::Tensor prompt_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::ScalarType dtype) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
               "hidden: contiguous float32 [rows, width]");
-  const int64_t rows = hidden.size(0), width = hidden.size(1);
-  auto out = at::empty({rows, width}, hidden.options().dtype(dtype));
-  const RowsOf to(out);
-  const float* x = hidden.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(static_cast<size_t>(width));
-    for (int64_t r = begin; r < end; ++r) {
-      norm_row(x + r * width, w, static_cast<float>(eps), width, row.data());
-      to.write(r, row.data(), width);
-    }
-  });
-  return out;
+  return norm_rows(hidden, weight, eps, dtype);
 }
 
 // The rotated queries and keys and the values, each float32 [1, heads, rows, dim], of a q/k/v product [rows,
