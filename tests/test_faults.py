@@ -208,17 +208,16 @@ def test_the_server_keeps_answering_and_reports_degraded_when_learning_cannot_be
 
 # ------------------------------------------------------------------------------------------- storage errors at the CLI
 def test_a_full_disk_while_calibrating_is_one_error_line_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
-    from hierspec import calibration
+    from hierspec import storage
     from hierspec.cli import main
     from tiny import save_model_dir
 
     model = save_model_dir(tmp_path / "tiny", vocab_size=64, seed=5, max_positions=64)
 
-    def full_disk(data, handle, **kwargs):
-        handle.write("{")
-        raise OSError(errno.ENOSPC, "No space left on device", handle.name)
+    def full_disk(fd):  # the disk reports it full when the written bytes are forced out
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(calibration.json, "dump", full_disk)
+    monkeypatch.setattr(storage.os, "fsync", full_disk)
     out = tmp_path / "curves" / "curve.json"
     code = main(["calibrate", "--model", str(model), "--max-tokens", "2", "--context", "8", "--repeats", "1",
                  "--out", str(out)])
@@ -450,3 +449,51 @@ def test_a_first_writer_file_appears_whole_once_and_a_later_writer_leaves_it_as_
     assert write_json_first(tmp_path / "other.json", {"kernel": "fourth"}) is True
     assert json.loads((tmp_path / "other.json").read_text()) == {"kernel": "fourth"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["choice.json", "other.json"]
+
+
+def _curve_writer(path):
+    from hierspec.calibration import CostCurve, save_curve
+
+    return lambda n: save_curve(CostCurve((1, 8), (10.0, 12.0 + n), {}), path / "curve.json")
+
+
+def _manifest_writer(path):
+    from hierspec import checksums
+
+    (path / "weights.bin").write_bytes(b"weights")
+    return lambda n: checksums.record(path, ["weights.bin"]) if n == 0 else checksums._write_manifest(path, {})
+
+
+def _header_writer(path):
+    from hierspec.datastore.format import write_header
+
+    return lambda n: write_header(path, {"kind": "suffix", "n": n})
+
+
+def _learned_writer(path):
+    from hierspec.storage import write_bytes_atomic
+
+    return lambda n: write_bytes_atomic(path / "hd.learned", b"state %d" % n)
+
+
+@pytest.mark.parametrize("writer", [_curve_writer, _manifest_writer, _header_writer, _learned_writer])
+def test_every_atomic_writer_keeps_the_old_file_on_a_full_disk_and_writes_readable_files(tmp_path, monkeypatch, writer):
+    """Cost curves, checksum manifests, store headers and learned-state files go through one temporary-file writer:
+    a write the disk refuses leaves the file before it whole and no temporary beside it, and what is written is
+    readable by the other users of a shared cache (0644, not mkstemp's 0600)."""
+    from hierspec import storage
+
+    write = writer(tmp_path)
+    write(0)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    written = [p for p in tmp_path.iterdir() if p.name != "weights.bin"]
+    assert len(written) == 1 and written[0].stat().st_mode & 0o777 == storage.FILE_MODE
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage.os, "fsync", full_disk)
+    with pytest.raises(OSError) as caught:
+        write(1)
+    assert storage.is_storage_error(caught.value)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the old file, nothing beside it

@@ -11,7 +11,7 @@ from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter, PromptLookupDrafter
 from hierspec.errors import InputError
-from hierspec.runtime import Runtime, RuntimeConfig, onednn
+from hierspec.runtime import RuntimeConfig, onednn
 from hierspec.runtime.fusion import find_shared_inputs
 from hierspec.runtime.inputs import TreeInputs, bucket_for
 from hierspec.runtime.kv_cache import TreeCache

@@ -5,7 +5,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

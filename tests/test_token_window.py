@@ -4,7 +4,6 @@ place in the cost-aware wrapper (greedy identity here; sampling exactness in tes
 import numpy as np
 import pytest
 
-from drafters_for_tests import TableLM
 from hierspec.accept import Verdict
 from hierspec import calibration
 from hierspec.calibration import CostCurve, save_curve
@@ -13,7 +12,6 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.cost_aware import CostAwareDrafter
-from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
 from hierspec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.token_window import ConfidenceRates, TokenWindow
 from hierspec.methods import DrafterContext, make_drafter

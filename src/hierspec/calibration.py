@@ -9,14 +9,11 @@ thread count. Curves saved before the long context was measured still read (thei
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +30,7 @@ from hierspec.machine import cpu_info, gpu_name
 from hierspec.runtime import int4_kernel
 from hierspec.runtime.inputs import bucket_for
 from hierspec.runtime.quantized import REQUANTIZED_CACHE_VERSION
+from hierspec.storage import write_json_atomic
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 
@@ -322,16 +320,9 @@ def measure_default_curve(target: TargetModel, path: Path) -> CostCurve | None:
 
 
 def save_curve(curve: CostCurve, path: Path) -> None:
-    """Write atomically (temp file + rename)."""
+    """Write atomically (a temporary file renamed into place: :func:`~hierspec.storage.write_json_atomic`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(curve.to_json(), handle, indent=2)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    write_json_atomic(path, curve.to_json())
 
 
 def load_curve(path: str | Path) -> CostCurve:

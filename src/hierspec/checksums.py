@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from hierspec.storage import write_json_atomic
 
 MANIFEST = "checksums.json"
 MAGIC = "hierspec-checksums"
@@ -90,12 +90,5 @@ def _read_manifest(directory: Path) -> dict | None:
 
 
 def _write_manifest(directory: Path, files: dict) -> None:
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix=f".{MANIFEST}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            json.dump({"magic": MAGIC, "version": VERSION, "files": files}, out, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, directory / MANIFEST)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    write_json_atomic(directory / MANIFEST, {"magic": MAGIC, "version": VERSION, "files": files}, indent=1,
+                      sort_keys=True)

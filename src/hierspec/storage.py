@@ -84,15 +84,20 @@ def as_os_error(exc: Exception, path: str | Path) -> OSError | None:
     return OSError(code, os.strerror(code), str(path))
 
 
-def write_json_atomic(path: Path, data) -> None:
+#: permissions of a file written through a temporary one (``mkstemp`` makes it ``0600``; a plain ``open`` under the
+#: usual umask gives ``0644``, and a cache shared by several users must stay readable to them)
+FILE_MODE = 0o644
+
+
+def write_json_atomic(path: Path, data, indent: int = 2, sort_keys: bool = False) -> None:
     """Write JSON through a temporary file renamed into place; a failed write leaves neither a partial file nor
     the temporary one."""
-    write_bytes_atomic(path, _json_bytes(data))
+    write_bytes_atomic(path, _json_bytes(data, indent, sort_keys))
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` through a temporary file renamed into place; a failed write leaves neither a partial file nor
-    the temporary one."""
+    """Write ``data`` through a temporary file renamed into place (:data:`FILE_MODE`, flushed to the disk first); a
+    failed write leaves neither a partial file nor the temporary one."""
     tmp = _bytes_beside(path, data)
     try:
         os.replace(tmp, path)
@@ -101,9 +106,9 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
 
 
-def _json_bytes(data) -> bytes:
+def _json_bytes(data, indent: int = 2, sort_keys: bool = False) -> bytes:
     """``data`` as the JSON text hierspec's files hold: indented, one newline at the end."""
-    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
+    return (json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n").encode("utf-8")
 
 
 def _json_beside(path: Path, data) -> str:
@@ -119,6 +124,7 @@ def _bytes_beside(path: Path, data: bytes) -> str:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
+            os.fchmod(handle.fileno(), FILE_MODE)
             os.fsync(handle.fileno())
     except BaseException:
         os.unlink(tmp)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from hierspec.errors import HierspecError
+from hierspec.storage import write_json_atomic
 
 MAGIC = "hierspec-datastore"
 FORMAT_VERSION = 1
@@ -78,13 +79,7 @@ def write_array(directory: Path, name: str, array: np.ndarray) -> dict:
 
 def write_header(directory: Path, header: dict) -> None:
     """Write ``header.json`` (last, so that a directory without it is recognisably incomplete)."""
-    path = directory / HEADER_FILE
-    tmp = path.with_name(f".{HEADER_FILE}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(json.dumps(header, indent=2) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(directory / HEADER_FILE, header)
 
 
 def read_header(directory: str | Path, kind: str | None = None) -> dict:

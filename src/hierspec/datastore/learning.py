@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from hierspec.datastore.format import (
-    HEADER_FILE,
     DatastoreError,
     check_tokenizer,
     new_header,
@@ -190,8 +189,6 @@ def _write_version(directory: Path, grams: np.ndarray, counts: np.ndarray, succe
             for path in (directory / f".{name}.tmp", directory / name):
                 with contextlib.suppress(OSError):
                     path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            (directory / f".{HEADER_FILE}.tmp").unlink(missing_ok=True)
         raise
 
 
