@@ -322,3 +322,17 @@ def test_draft_head_from_a_model_store_and_hd_with_it_matches_ar(capsys, model_d
         assert code == 0 and result["token_ids"] == reference
         drafted[method] = result["stats"]["drafted_by_source"].get("head", 0)
     assert drafted["hd:order=hc,lead=hc,tree=fixed"] > 0  # the fixed tree drafts the head's guesses every step
+
+
+def test_the_method_help_names_every_registered_method_and_the_options_current_defaults(capsys):
+    from hierspec.cli import build_parser
+    from hierspec.drafters.draft_model import SdOptions
+    from hierspec.drafters.hierarchy import HierarchyConfig
+    from hierspec.drafters.registry import methods
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in methods():
+        assert name in text
+    assert f"hd:order={HierarchyConfig.order},m={HierarchyConfig.m}" in text and f"sd:k={SdOptions.k}" in text

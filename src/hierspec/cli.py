@@ -94,6 +94,18 @@ def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False
                           learned_dir=str(default_learned_dir()) if keep_learned else None)
 
 
+def _method_help() -> str:
+    """The methods the registry holds, with an example of options written after a colon at their defaults (read from
+    the options' dataclasses, so the help cannot fall behind them)."""
+    from hierspec.drafters.registry import methods
+
+    known = methods()
+    names = ", ".join(["hd (default)", *sorted(name for name in known if name != "hd")])
+    examples = "; ".join(f"{name}:" + ",".join(f"{key}={getattr(known[name].options, key)}" for key in keys)
+                         for name, keys in (("hd", ("order", "m")), ("sd", ("k",))) if name in known)
+    return f"{names}; options after a colon, at their defaults e.g. {examples} (an unknown option lists them all)"
+
+
 def _add_learned_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-learned", action=argparse.BooleanOptionalAction, default=True,
                         help="start the drafter from what earlier runs of the same model and method learned (hd's "
@@ -116,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     _add_model_options(gen)
-    gen.add_argument("--method", default="hd",
-                     help="hd, pld, rest, sd, hsddw, ar (options: hd:l=2,m=6,n=4,order=cms; sd:draft=self:8,k=4)")
+    gen.add_argument("--method", default="hd", help=_method_help())
     gen.add_argument("--datastore", action="append", default=[], help="datastore directory (repeatable)")
     _add_learned_option(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128)
