@@ -160,3 +160,22 @@ def test_the_rotary_table_is_filled_after_a_small_single_threaded_evaluation():
     assert torch.equal(decoder._cos, cos[0])
     half = decoder.head_dim // 2
     assert torch.equal(decoder._sin, torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1))
+
+
+def test_stacked_weights_equal_converting_the_concatenation_bit_for_bit():
+    """Projection's stacked copy (each weight converted as it is copied in) equals ``torch.cat(...).to(dtype)``,
+    halfway values included, and is a new tensor even in the weights' own dtype."""
+    from hierspec.runtime.decoder import _stacked
+
+    generator = torch.Generator().manual_seed(3)
+    weights = [torch.randn(5, 8, generator=generator), torch.randn(3, 8, generator=generator)]
+    weights[1][0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-140])  # bfloat16 halfway, tiny
+    for dtype in (torch.bfloat16, torch.float32):
+        stacked = _stacked(weights, dtype)
+        expected = torch.cat(weights).to(dtype)
+        assert stacked.dtype == dtype and torch.equal(stacked.view(torch.int16 if dtype == torch.bfloat16 else
+                                                                  torch.int32),
+                                                      expected.view(torch.int16 if dtype == torch.bfloat16 else
+                                                                    torch.int32))
+    alone = _stacked(weights[:1], torch.float32)
+    assert torch.equal(alone, weights[0]) and alone.data_ptr() != weights[0].data_ptr()

@@ -71,7 +71,7 @@ class Projection:
         self.narrow_output = narrow_output and product_dtype is not None and all(b is None for b in biases)
         self.prepacked = self.packed and (product_dtype is None or onednn.probe(product_dtype) is None)
         if self.packed:
-            stacked = torch.cat(weights).to(product_dtype or weights[0].dtype)
+            stacked = _stacked(weights, product_dtype or weights[0].dtype)
             self.weight = pack_weight(stacked) if self.prepacked else stacked
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
@@ -577,6 +577,17 @@ class _PromptGlue:
                        for p in projections) or any(p.bias is not None for p in projections[1:]):
                 return None
         return _PromptGlue(module, product_dtype)
+
+
+def _stacked(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The weights one below the other in ``dtype``, a new tensor, each converted as it is copied in (one pass over
+    the weights: converting then concatenating read and wrote Qwen2.5-Coder-1.5B's 6 GB of them twice at load)."""
+    stacked = weights[0].new_empty((sum(w.shape[0] for w in weights), weights[0].shape[1]), dtype=dtype)
+    start = 0
+    for weight in weights:
+        stacked[start : start + weight.shape[0]].copy_(weight)
+        start += weight.shape[0]
+    return stacked
 
 
 def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -193,14 +193,25 @@ def pack_amx(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zero
 
     Example: outputs 0 and 1 with codes 3 and 5 at input 0 pack to byte ``0x53`` (the first byte of the tile).
     """
-    if len(codes) != 1:
-        raise ValueError(f"the AMX 4-bit form takes one pass, not {len(codes)} (several passes: the 8-bit form)")
-    (pass_codes,) = codes
+    pass_codes = _one_pass(codes)
     rows, cols = pass_codes.shape
     pairs = pass_codes.reshape(rows // 16, 8, 2, cols // GROUP, GROUP).permute(0, 3, 1, 2, 4)
     packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows // 16, cols // GROUP, 256)
-    scale, bias = _stored(_per_block(scales[0]).unsqueeze(0).contiguous(), _per_block(_folded_bias(scales, zeros)))
+    scale, bias = _pass_scales(scales, zeros)
     return PackedAmx(packed.unsqueeze(0).contiguous(), scale, bias)
+
+
+def _one_pass(codes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The codes of the one 4-bit pass the 4-bit forms take."""
+    if len(codes) != 1:
+        raise ValueError(f"the 4-bit forms take one pass, not {len(codes)} (several passes: the 8-bit form)")
+    return codes[0]
+
+
+def _pass_scales(scales: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit pass's scales ``[1, out / 16, in / 32, 16]`` and folded offsets ``[out / 16, in / 32, 16]`` as the
+    4-bit forms store them (:func:`_stored`)."""
+    return _stored(_per_block(scales[0]).unsqueeze(0).contiguous(), _per_block(_folded_bias(scales, zeros)))
 
 
 def pack_amx_int8(codes: torch.Tensor, scales: torch.Tensor) -> PackedAmx:
@@ -277,13 +288,12 @@ def pack_vnni(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], zer
 
     Example: output 0 with codes 3 at input 0 and 5 at input 16 packs to byte ``0x53`` (the first of the step).
     """
-    tiles = pack_amx(codes, scales, zeros)  # checks the pass count; its scale and bias are this layout's
-    (pass_codes,) = codes
+    pass_codes = _one_pass(codes)
     rows, cols = pass_codes.shape
     quads = pass_codes.reshape(rows // 16, 16, cols // GROUP, 2, 4, 4).permute(0, 2, 3, 4, 1, 5)
     packed = quads[:, :, 0] | (quads[:, :, 1] << 4)  # [blocks, steps, 4, 16, 4]
-    if factors is None:
-        return PackedVnni(packed.unsqueeze(0).contiguous(), tiles.scales, tiles.bias, one_code=one_code)
+    if factors is None:  # the AMX layout's scales and offsets
+        return PackedVnni(packed.unsqueeze(0).contiguous(), *_pass_scales(scales, zeros), one_code=one_code)
     units = torch.stack((_per_block(factors.units), _per_block(factors.offset_units))).contiguous()
     return PackedVnni(packed.unsqueeze(0).contiguous(), _per_block(factors.steps, torch.uint8).unsqueeze(0),
                       _per_block(factors.offset_steps, torch.uint8), units, one_code)
@@ -323,7 +333,7 @@ def six_bit_quads(quads: torch.Tensor) -> torch.Tensor:
     """
     if not fits_six_bits(quads):
         raise ValueError("6-bit codes must lie within -32..31 (a Q6_K weight's)")
-    unsigned = (quads.to(torch.int16) + 32).to(torch.uint8)
+    unsigned = quads.view(torch.uint8) + 32  # code + 32 in 0..63, in wrapping uint8 arithmetic
     low, high = unsigned & 15, unsigned >> 4
     nibbles = low[:, :, :, :4] | (low[:, :, :, 4:] << 4)
     tops = [high[:, :, :, p] | (high[:, :, :, p + 2] << 2) | (high[:, :, :, p + 4] << 4) | (high[:, :, :, p + 6] << 6)

@@ -150,22 +150,24 @@ def as_int8(passes: Sequence[Int4Weight]) -> tuple[torch.Tensor, torch.Tensor] |
     half's code is ``l + 16 h - 32`` at ``D``. A ``Q6_K`` weight then streams 1.25 bytes per weight instead of four
     4-bit passes' ~2.5.
     """
+    # in uint8 arithmetic, wrapping, then read as int8: no int16 copies of a weight (Qwen2.5-Coder-1.5B's Q6_K and
+    # Q8_0 weights went through ~4 GB of them at every load)
     if len(passes) == 2:
         high, low = passes
-        codes = (high.codes.to(torch.int16) - 8) * 16 + low.codes.to(torch.int16)
-        return codes.to(torch.int8), low.scales.repeat_interleave(2, dim=1).contiguous()
+        codes = torch.add(low.codes, high.codes, alpha=16).sub_(128)  # 16 h + l - 128, h = (v >> 4) + 8
+        return codes.view(torch.int8), low.scales.repeat_interleave(2, dim=1).contiguous()
     if len(passes) != 4:
         return None
     rows, cols = passes[0].codes.shape
-    codes = torch.empty(rows, cols // GROUP, 2, GROUP // 2, dtype=torch.int16)
+    codes = torch.empty(rows, cols // GROUP, 2, GROUP // 2, dtype=torch.uint8)
     scales = torch.empty(rows, cols // GROUP, 2)
     for half in (0, 1):
         low, high = passes[2 * half], passes[2 * half + 1]
-        own_low = low.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half].to(torch.int16)
-        own_high = high.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half].to(torch.int16) - 2
-        codes[:, :, half] = own_low + 16 * own_high - 32
+        own_low = low.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half]
+        own_high = high.codes.reshape(rows, -1, 2, GROUP // 2)[:, :, half]
+        torch.add(own_low, own_high, alpha=16, out=codes[:, :, half])  # l + 16 (h + 2), then less 64
         scales[:, :, half] = low.scales
-    return codes.reshape(rows, cols).to(torch.int8), scales.reshape(rows, -1)
+    return codes.sub_(64).view(torch.int8).reshape(rows, cols), scales.reshape(rows, -1)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> list[Int4Weight]:
