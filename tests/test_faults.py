@@ -273,6 +273,36 @@ def test_a_touched_but_intact_file_is_hashed_once_then_trusted_again(tmp_path, m
     assert checksums.damage(tmp_path) is None
 
 
+def test_a_gguf_files_hash_is_remembered_by_its_path_size_and_time_and_taken_again_when_they_change(
+        tmp_path, monkeypatch):
+    from hierspec import checksums
+
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF" + os.urandom(4096))
+    memo = tmp_path / "cache" / "gguf"
+    first = checksums.remembered_sha256(model, memo)
+    assert first == checksums.file_sha256(model) and (memo / checksums.SOURCES).is_file()
+    with monkeypatch.context() as patched:
+        patched.setattr(checksums, "file_sha256", lambda path: pytest.fail("an untouched file is not hashed again"))
+        assert checksums.remembered_sha256(model, memo) == first
+    model.write_bytes(b"GGUF" + os.urandom(4096))  # new contents, same size
+    os.utime(model, ns=(5, 5))
+    assert checksums.remembered_sha256(model, memo) == checksums.file_sha256(model) != first
+    (memo / checksums.SOURCES).write_text("garbage")  # a damaged memo: hashed, and the memo written anew
+    assert checksums.remembered_sha256(model, memo) == checksums.file_sha256(model)
+    assert json.loads((memo / checksums.SOURCES).read_text())["magic"] == checksums.MAGIC
+    (memo / checksums.SOURCES).unlink()
+    memo.chmod(0o500)  # a memo that cannot be written costs the hash only
+    try:
+        if os.access(memo, os.W_OK):  # root writes anyway: then make the write itself fail
+            monkeypatch.setattr(checksums, "write_json_atomic", lambda *a, **k: (_ for _ in ()).throw(
+                OSError(errno.EROFS, "Read-only file system")))
+        assert checksums.remembered_sha256(model, memo) == checksums.file_sha256(model)
+        assert not (memo / checksums.SOURCES).exists()
+    finally:
+        memo.chmod(0o700)
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-checksums"])
 def test_damaged_converted_weights_are_converted_again_with_a_warning(tmp_path, monkeypatch, caplog, damage):
     from hierspec import checksums, loading
@@ -303,7 +333,8 @@ def test_damaged_converted_weights_are_converted_again_with_a_warning(tmp_path, 
         assert loading.materialize(config)[0] == path
     assert len(converted) == 2 and "are damaged" in caplog.text and "converting" in caplog.text
     assert weights.read_bytes() == b"weights" * 1000
-    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [weights.parent.name]  # nothing left aside
+    left = [p.name for p in (tmp_path / "cache" / "gguf").iterdir() if p.name != checksums.SOURCES]
+    assert left == [weights.parent.name]  # nothing left aside
 
 
 @pytest.mark.parametrize("text", [b"\xff\xfe\x00garbage", b'{"magic": "hierspec-cost-curve", "version": 1}',

@@ -31,6 +31,41 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: a directory's memo of the SHA-256 of files hierspec reads but does not own (GGUF model files)
+SOURCES = "sources.json"
+
+
+def remembered_sha256(path: Path, memo_dir: Path) -> str:
+    """SHA-256 of ``path``, a file hierspec reads but does not own (a GGUF model file names its converted weights'
+    directory by it), remembered in ``memo_dir``'s :data:`SOURCES` by the file's absolute path, size and
+    modification time: hashed again only when one of those changed, so a load costs a ``stat`` instead of reading
+    the whole file (a 1 GB GGUF file took ~0.8 s) — the trust :func:`damage` gives the files it checks. A memo that
+    cannot be read or written costs the hash, nothing else."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    memo = _read_memo(memo_dir / SOURCES)
+    known = memo.get(str(path))
+    if (known is not None and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns
+            and isinstance(known.get("sha256"), str)):
+        return known["sha256"]
+    digest = file_sha256(path)
+    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    with contextlib.suppress(OSError):
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(memo_dir / SOURCES, {"magic": MAGIC, "version": VERSION, "files": memo}, indent=1,
+                          sort_keys=True)
+    return digest
+
+
+def _read_memo(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    files = data.get("files") if isinstance(data, dict) and data.get("magic") == MAGIC else None
+    return {name: entry for name, entry in files.items() if isinstance(entry, dict)} if isinstance(files, dict) else {}
+
+
 def record(directory: str | Path, names: Iterable[str]) -> None:
     """Add (or refresh) the checksums of ``names`` in ``directory``'s manifest, written atomically."""
     directory = Path(directory)

@@ -21,7 +21,6 @@ import torch
 from safetensors import SafetensorError
 
 from hierspec import checksums
-from hierspec.checksums import file_sha256
 from hierspec.config import ModelConfig
 from hierspec.errors import ModelLoadError
 from hierspec.model_names import named_model_file
@@ -85,7 +84,8 @@ def resolve_dtype(dtype: str, device: torch.device, quantized_file: bool = False
 
 def gguf_cache_path(gguf: Path, cache_root: Path) -> Path:
     """Directory holding the converted weights of one GGUF file."""
-    return cache_root / "gguf" / f"v{_CACHE_LAYOUT_VERSION}-{file_sha256(gguf)[:24]}"
+    root = cache_root / "gguf"
+    return root / f"v{_CACHE_LAYOUT_VERSION}-{checksums.remembered_sha256(gguf, root)[:24]}"
 
 
 def convert_gguf(gguf: Path, out_dir: Path) -> None:
