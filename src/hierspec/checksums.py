@@ -75,6 +75,13 @@ def record(directory: str | Path, names: Iterable[str]) -> None:
     _write_manifest(directory, files)
 
 
+def recorded_sha256(directory: str | Path, name: str) -> str | None:
+    """The SHA-256 ``directory``'s manifest records for ``name`` (what was written; check it with :func:`damage`),
+    or ``None``."""
+    entry = (_read_manifest(Path(directory)) or {}).get(name)
+    return entry["sha256"] if entry is not None else None
+
+
 def damage(directory: str | Path, names: Iterable[str] | None = None) -> str | None:
     """``None`` when every recorded file (or each of ``names``, which must be recorded) matches its checksum;
     otherwise what is wrong, in a few words."""

@@ -40,11 +40,13 @@ from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.runtime.fusion import fuse_shared_inputs
 from hierspec.runtime.graphs import MIN_CAPACITY, GraphedForward, StaticTreeCache
 from hierspec.runtime.inputs import TreeInputs, bucket_for
-from hierspec.runtime.int4_kernel import KERNEL_CHOICES
+from hierspec.runtime.int4_kernel import KERNEL_CHOICES, loaded_kernel, six_bit_products
 from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argument, doubled_capacity
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.prompt_kernel import PROMPT_KERNELS, expanded_product_dtype, resolve_prompt_kernel
-from hierspec.runtime.quantized import Int4Kernels, Int4Weight, load_gguf_weights, resolve_kernel
+from hierspec.runtime.packed_store import PackedStore
+from hierspec.runtime.quantized import (CACHE_FILE, REQUANTIZED_CACHE_FILE, Int4Kernels, Int4Weight, load_gguf_weights,
+                                     resolve_kernel)
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -166,7 +168,10 @@ class Runtime:
         quantized = None if use_graphs else self._quantized_weights()
         packable = not use_graphs and quantized is None and self._packing_reason() is None
         if quantized is not None:
-            self.decoder = build_decoder(model, packed=False, quantized=quantized, int4_kernel=self.int4_kernel)
+            packs = self._packed_store()
+            self.decoder = build_decoder(model, packed=False, quantized=quantized, int4_kernel=self.int4_kernel,
+                                         packs=packs)
+            packs.save()
             self.prompt_kernel = resolve_prompt_kernel(self.config.prompt_kernel, self.int4_kernel,
                                                        torch.get_num_threads())
             self.prefill_decoder = self._prompt_decoder()
@@ -215,6 +220,16 @@ class Runtime:
             if self.config.gguf is not None:
                 log.info("GGUF weights run dequantized: %s", reason)
         return weights
+
+    def _packed_store(self) -> PackedStore:
+        """Where the int4 projections' packed stacks are kept: beside the weight cache this load read (none without
+        a cache directory or for PyTorch's int4 kernel, whose packing is PyTorch's own)."""
+        kernels = self.int4_kernel
+        if self.config.gguf_cache is None or "torch" in (kernels.four_bit, kernels.eight_bit):
+            return PackedStore(None, {})
+        weights = Path(self.config.gguf_cache) / (REQUANTIZED_CACHE_FILE if self.config.requantize == "4bit"
+                                                  else CACHE_FILE)
+        return PackedStore.beside(weights, kernels, six_bit_products(loaded_kernel()))
 
     def _prompt_decoder(self) -> LlamaFamilyDecoder | None:
         """How the int4 path reads prompts (:attr:`prompt_kernel`): the file's weights expanded (held anyway by the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,7 +30,8 @@ from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
 from hierspec.runtime.onednn import pack_weight, packed_linear
-from hierspec.runtime.quantized import Int4Kernels, Int4Projection, Int4Weight
+from hierspec.runtime.packed_store import PackedStore
+from hierspec.runtime.quantized import CachedWeights, Int4Kernels, Int4Projection, Int4Weight, pack_stacks
 from hierspec.runtime.slots import (SlotBatch, SlotPool, SlotWrites, finish_slot_batch, plan_slot_batch,
                                     plan_slot_writes, slot_attention, write_slot_rows)
 
@@ -158,7 +159,8 @@ class LlamaFamilyDecoder:
 
     def __init__(self, model: nn.Module, packed: bool,
                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
-                 product_dtype: torch.dtype | None = None, int4_kernel: Int4Kernels | None = None) -> None:
+                 product_dtype: torch.dtype | None = None, int4_kernel: Int4Kernels | None = None,
+                 packs: PackedStore | None = None) -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -181,13 +183,18 @@ class LlamaFamilyDecoder:
         def projection(*linears: nn.Module, copy: bool = True, narrow: bool = False) -> Projection | Int4Projection:
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None, narrow_output=narrow)
-            return Int4Projection([quantized[names[m]] for m in linears], [m.bias for m in linears],
-                                  kernels.four_bit, kernels.eight_bit)
+            biases = [m.bias for m in linears]
+            if packs is None:
+                return Int4Projection([quantized[names[m]] for m in linears], biases, kernels.four_bit,
+                                      kernels.eight_bit)
+            stacks = packs.stacks("+".join(names[m] for m in linears), lambda: pack_stacks(
+                [quantized[names[m]] for m in linears], kernels.four_bit, kernels.eight_bit))
+            return Int4Projection(None, biases, widths=[m.weight.shape[0] for m in linears], stacks=stacks)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
         head = model.get_output_embeddings()
         self.lm_head = projection(head, copy=False)
-        self._head_source = (head, None if quantized is None else quantized[names[head]], kernels)
+        self._head_source = (head, _head_passes(quantized, names[head]) if quantized is not None else None, kernels)
         self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
                               norm2=layer.post_attention_layernorm.weight.detach(),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
@@ -225,8 +232,9 @@ class LlamaFamilyDecoder:
     def head_over(self, tokens: torch.Tensor) -> Projection | _FirstColumns:
         """A head computing only the logits of ``tokens`` (int64 ids), in their order: the output embedding's rows
         of those tokens, in the same form as the whole head (each logit the same arithmetic as the whole head's)."""
-        head, passes, kernels = self._head_source
+        head, passes_of, kernels = self._head_source
         bias = None if head.bias is None else head.bias.detach()[tokens]
+        passes = None if passes_of is None else passes_of()
         if passes is None:
             return Projection([_Rows(head.weight.detach()[tokens], bias)], packed=False)
         # the int4 layouts hold whole blocks of 16 outputs: the last token's row repeats up to one, then is cut off
@@ -579,6 +587,15 @@ class _PromptGlue:
         return _PromptGlue(module, product_dtype)
 
 
+def _head_passes(quantized: Mapping[str, Sequence[Int4Weight]], name: str) -> Callable[[], Sequence[Int4Weight]]:
+    """The head's passes when a head over some tokens asks for them: read from the cache file then where the
+    weights come from one (:class:`~hierspec.runtime.quantized.CachedWeights`), else the ones already in memory."""
+    if isinstance(quantized, CachedWeights):
+        return lambda: quantized[name]
+    passes = quantized[name]
+    return lambda: passes
+
+
 def _stacked(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The weights one below the other in ``dtype``, a new tensor, each converted as it is copied in (one pass over
     the weights: converting then concatenating read and wrote Qwen2.5-Coder-1.5B's 6 GB of them twice at load)."""
@@ -614,7 +631,8 @@ def _rotate(states: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 def build_decoder(model: nn.Module, packed: bool,
                   quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
                   product_dtype: torch.dtype | None = None,
-                  int4_kernel: Int4Kernels | None = None) -> LlamaFamilyDecoder | None:
+                  int4_kernel: Int4Kernels | None = None,
+                  packs: PackedStore | None = None) -> LlamaFamilyDecoder | None:
     """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
     ``product_dtype`` — see :class:`Projection`), or ``None`` (with the reason logged) where transformers' modules
     must run."""
@@ -622,7 +640,7 @@ def build_decoder(model: nn.Module, packed: bool,
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel)
+    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel, packs)
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

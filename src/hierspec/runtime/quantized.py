@@ -387,11 +387,16 @@ class Int4Projection:
 
     packed = True
 
-    def __init__(self, members: Sequence[Sequence[Int4Weight]], biases: Sequence[torch.Tensor | None],
-                 kernel: str = "torch", eight_bit: str | None = None) -> None:
-        self.widths = [passes[0].codes.shape[0] for passes in members]
-        self.stacks: list = [_stack(list(run), kernel if depth <= 2 else (eight_bit or kernel))
-                             for depth, run in itertools.groupby(members, key=len)]
+    def __init__(self, members: Sequence[Sequence[Int4Weight]] | None, biases: Sequence[torch.Tensor | None],
+                 kernel: str = "torch", eight_bit: str | None = None, *, widths: Sequence[int] | None = None,
+                 stacks: list | None = None) -> None:
+        """``members`` packed for ``kernel`` (and ``eight_bit`` for weights of more than two passes); or, with
+        ``stacks`` (:func:`pack_stacks`' result, e.g. read back by :class:`~hierspec.runtime.packed_store.
+        PackedStore`), those stacks for members of ``widths`` outputs (``members`` then unused)."""
+        if stacks is None:
+            widths, stacks = [passes[0].codes.shape[0] for passes in members], pack_stacks(members, kernel, eight_bit)
+        self.widths = list(widths)
+        self.stacks: list = list(stacks)
         ends = list(itertools.accumulate(self.widths))
         self._bounds = list(zip([0] + ends[:-1], ends))
         self.bias = None if all(b is None for b in biases) else torch.cat(
@@ -428,6 +433,13 @@ class Int4Projection:
         if not split or len(self.widths) == 1:
             return [product]
         return [product[:, start:stop] for start, stop in self._bounds]
+
+
+def pack_stacks(members: Sequence[Sequence[Int4Weight]], kernel: str, eight_bit: str | None = None) -> list:
+    """The stacks of an :class:`Int4Projection` of ``members``: neighbours with equal pass counts stacked together,
+    for ``kernel`` (one or two passes) or ``eight_bit`` (more)."""
+    return [_stack(list(run), kernel if depth <= 2 else (eight_bit or kernel))
+            for depth, run in itertools.groupby(members, key=len)]
 
 
 def _stack(members: Sequence[Sequence[Int4Weight]], kernel: str):
@@ -594,27 +606,49 @@ class _OtherVersion(ValueError):
     """A cache another version of hierspec wrote: rebuilt, not damaged."""
 
 
-def _read_cache(cache: Path, version: str) -> dict[str, list[Int4Weight]]:
+def _read_cache(cache: Path, version: str) -> CachedWeights:
     from safetensors import safe_open
 
-    weights: dict[str, list[Int4Weight]] = {}
     with safe_open(str(cache), framework="pt") as handle:
         meta = handle.metadata() or {}
         if meta.get("magic") != CACHE_MAGIC:
             raise ValueError("not a hierspec int4 cache")
         if meta.get("version") != version:
             raise _OtherVersion(f"format version {meta.get('version')}, this hierspec writes {version}")
+        counts = json.loads(meta["modules"])
         names = set(handle.keys())
-        for module, count in json.loads(meta["modules"]).items():
-            factors = _read_factors(handle, names, module)
+        if not all(f"{module}/{i}/codes" in names for module, count in counts.items() for i in range(count)):
+            raise KeyError("a module's passes are missing from the int4 cache")
+    return CachedWeights(cache, counts)
+
+
+class CachedWeights(Mapping):
+    """A checked int4 cache file's passes by module name, each module's read (its codes unpacked) when first asked
+    for: a load whose projections come packed (:class:`~hierspec.runtime.packed_store.PackedStore`) reads none."""
+
+    def __init__(self, path: Path, counts: dict[str, int]) -> None:
+        self.path = path
+        self._counts = counts
+
+    def __getitem__(self, module: str) -> list[Int4Weight]:
+        from safetensors import safe_open
+
+        count = self._counts[module]
+        with safe_open(str(self.path), framework="pt") as handle:
+            factors = _read_factors(handle, set(handle.keys()), module)
             passes = []
             for i in range(count):
                 nibbles = handle.get_tensor(f"{module}/{i}/codes")
                 codes = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(nibbles.shape[0], -1)
                 passes.append(Int4Weight(codes, handle.get_tensor(f"{module}/{i}/scales"),
                                          handle.get_tensor(f"{module}/{i}/zeros"), factors))
-            weights[module] = passes
-    return weights
+        return passes
+
+    def __iter__(self):
+        return iter(self._counts)
+
+    def __len__(self) -> int:
+        return len(self._counts)
 
 
 def _read_factors(handle, names: set[str], module: str) -> ScaleFactors | None:
