@@ -17,6 +17,16 @@ from tiny import make_tokenizer
 VOCAB = 64
 
 
+def _kept_tiny(tmp_path, kernel, tiny=_tiny):
+    """A tiny GGUF model and an empty directory for its caches, for a kernel whose stacks are kept."""
+    if kernel in ("torch", "auto"):
+        pytest.skip("PyTorch's int4 kernel packs its own way: nothing is kept")
+    model, path = tiny(tmp_path)
+    cache_dir = tmp_path / "converted"
+    cache_dir.mkdir()
+    return model, path, cache_dir
+
+
 def _load(model, path, cache_dir, int4_kernel):
     return TargetModel(model, make_tokenizer(VOCAB), "tiny-int4",
                        RuntimeConfig(gguf=str(path), gguf_cache=str(cache_dir), int4_kernel=int4_kernel))
@@ -52,11 +62,7 @@ def _packed_files(cache_dir):
 @pytest.mark.parametrize("tiny", [_tiny, _tiny_k_quant])
 def test_a_second_load_reads_the_packed_stacks_and_computes_the_same_logits(tmp_path, kernel, tiny,  # noqa: F811
                                                                             monkeypatch):
-    if kernel in ("torch", "auto"):
-        pytest.skip("PyTorch's int4 kernel packs its own way: nothing is kept")
-    model, path = tiny(tmp_path)
-    cache_dir = tmp_path / "converted"
-    cache_dir.mkdir()
+    model, path, cache_dir = _kept_tiny(tmp_path, kernel, tiny)
     first = _load(model, path, cache_dir, kernel)
     assert len(_packed_files(cache_dir)) == 1 and not list(cache_dir.glob("*.tmp"))
     with monkeypatch.context() as patched:
@@ -75,11 +81,7 @@ def test_a_second_load_reads_the_packed_stacks_and_computes_the_same_logits(tmp_
 
 def test_a_packed_file_of_other_code_kernels_or_weights_is_packed_again_and_replaced(tmp_path, kernel, monkeypatch,
                                                                                       caplog):  # noqa: F811
-    if kernel in ("torch", "auto"):
-        pytest.skip("PyTorch's int4 kernel packs its own way: nothing is kept")
-    model, path = _tiny(tmp_path)
-    cache_dir = tmp_path / "converted"
-    cache_dir.mkdir()
+    model, path, cache_dir = _kept_tiny(tmp_path, kernel)
     reference = _stacks(_load(model, path, cache_dir, kernel))
     (name,) = _packed_files(cache_dir)
     packed = []
@@ -98,11 +100,7 @@ def test_a_packed_file_of_other_code_kernels_or_weights_is_packed_again_and_repl
 
 @pytest.mark.parametrize("damage", ["flip", "garbage", "foreign-entry"])
 def test_a_damaged_packed_file_is_packed_again_with_the_same_result(tmp_path, kernel, damage, caplog):  # noqa: F811
-    if kernel in ("torch", "auto"):
-        pytest.skip("PyTorch's int4 kernel packs its own way: nothing is kept")
-    model, path = _tiny(tmp_path)
-    cache_dir = tmp_path / "converted"
-    cache_dir.mkdir()
+    model, path, cache_dir = _kept_tiny(tmp_path, kernel)
     first = _load(model, path, cache_dir, kernel)
     (name,) = _packed_files(cache_dir)
     file = cache_dir / name
@@ -134,13 +132,9 @@ def test_a_damaged_packed_file_is_packed_again_with_the_same_result(tmp_path, ke
 
 def test_a_disk_that_refuses_the_packed_file_costs_the_packing_only(tmp_path, kernel, monkeypatch,  # noqa: F811
                                                                     caplog):
-    if kernel in ("torch", "auto"):
-        pytest.skip("PyTorch's int4 kernel packs its own way: nothing is kept")
     import safetensors.torch
 
-    model, path = _tiny(tmp_path)
-    cache_dir = tmp_path / "converted"
-    cache_dir.mkdir()
+    model, path, cache_dir = _kept_tiny(tmp_path, kernel)
 
     def full_disk(tensors, filename, metadata=None):
         with open(filename, "wb") as handle:
