@@ -528,3 +528,22 @@ def test_every_atomic_writer_keeps_the_old_file_on_a_full_disk_and_writes_readab
         write(1)
     assert storage.is_storage_error(caught.value)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the old file, nothing beside it
+
+
+def test_a_file_written_by_name_appears_whole_with_the_shared_mode_or_not_at_all(tmp_path):
+    """write_file_atomic (the int4 weight cache, the packed stacks: writers that take a file name) leaves the old
+    file and no temporary when the writer fails, and a readable file when it succeeds."""
+    from hierspec import storage
+
+    path = tmp_path / "weights.safetensors"
+    storage.write_file_atomic(path, lambda name: open(name, "wb").write(b"first"))
+    assert path.read_bytes() == b"first" and path.stat().st_mode & 0o777 == storage.FILE_MODE
+
+    def full_disk(name):
+        with open(name, "wb") as handle:
+            handle.write(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device", name)
+
+    with pytest.raises(OSError):
+        storage.write_file_atomic(path, full_disk)
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.safetensors"] and path.read_bytes() == b"first"

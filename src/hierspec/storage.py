@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 #: errno values that mean "this disk will not take the write", with what the user can do
@@ -100,6 +101,21 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     failed write leaves neither a partial file nor the temporary one."""
     tmp = _bytes_beside(path, data)
     try:
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_file_atomic(path: Path, write: Callable[[str], None]) -> None:
+    """``write(name)`` fills a new temporary file beside ``path`` (a writer that takes a file name, such as
+    safetensors' ``save_file``), which is then renamed into place (:data:`FILE_MODE`); a failed write leaves neither
+    a partial file nor the temporary one."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -21,8 +21,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import torch
 
 from hierspec import checksums
+from hierspec.storage import write_file_atomic
 from hierspec.runtime import int4_kernel
 
 log = logging.getLogger(__name__)
@@ -116,20 +115,12 @@ class PackedStore:
                         values[field.name] = value
                 entries[key].append({"type": type(stack).__name__, "tensors": fields, "values": values})
         meta = {"identity": json.dumps(self.identity, sort_keys=True), "entries": json.dumps(entries)}
-        tmp = None
         try:
-            handle, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-            os.close(handle)
-            save_file(tensors, tmp, metadata=meta)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
+            write_file_atomic(self.path, lambda tmp: save_file(tensors, tmp, metadata=meta))
             checksums.record(self.path.parent, [self.path.name])
         except (OSError, SafetensorError, RuntimeError) as exc:
             log.warning("the packed int4 weights %s cannot be written (%s); the next load packs them again",
                         self.path, exc)
-        finally:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
 
     def _open(self) -> dict | None:
         """The file's entries when it is intact and its identity is this load's, else ``None``."""

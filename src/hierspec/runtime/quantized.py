@@ -39,8 +39,6 @@ import functools
 import itertools
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -49,6 +47,7 @@ import numpy as np
 import torch
 
 from hierspec import checksums
+from hierspec.storage import write_file_atomic
 from hierspec.runtime import int4_kernel
 
 log = logging.getLogger(__name__)
@@ -676,20 +675,12 @@ def _write_cache(cache: Path, weights: Mapping[str, Sequence[Int4Weight]], versi
                     tensors[f"{module}/factors/{part}"] = tensor.contiguous().clone()
     meta = {"magic": CACHE_MAGIC, "version": version,
             "modules": json.dumps({module: len(passes) for module, passes in weights.items()})}
-    tmp = None
     try:
-        handle, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")
-        os.close(handle)
-        save_file(tensors, tmp, metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, cache)
+        write_file_atomic(cache, lambda tmp: save_file(tensors, tmp, metadata=meta))
         checksums.record(cache.parent, [cache.name])
     except (OSError, SafetensorError, RuntimeError) as exc:  # safetensors' own errors: a full disk, shared memory
         log.warning("the int4 weight cache %s cannot be written (%s); the next load reads the GGUF file again",
                     cache, exc)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def read_gguf_weights(path: str | Path, config) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
