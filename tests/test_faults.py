@@ -303,6 +303,42 @@ def test_a_gguf_files_hash_is_remembered_by_its_path_size_and_time_and_taken_aga
         memo.chmod(0o700)
 
 
+def test_a_deleted_or_damaged_int4_cache_beside_the_converted_weights_does_not_convert_the_file_again(
+        tmp_path, monkeypatch):
+    """The int4 blocks and their packed stacks have their own checks and rebuild themselves: deleting them (to free
+    disk) or damaging them leaves the converted weights in use, and their names are the ones the loading skips."""
+    from hierspec import checksums, loading
+    from hierspec.config import ModelConfig
+    from hierspec.runtime import packed_store
+    from hierspec.runtime import quantized as q
+
+    for name in (q.CACHE_FILE, q.REQUANTIZED_CACHE_FILE, packed_store.store_name(q.CACHE_FILE, "vnni8", "vnni8")):
+        assert name.startswith(loading.DERIVED_CACHES), name
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + os.urandom(256))
+    converted = []
+
+    def convert(source, out_dir):
+        converted.append(source)
+        out_dir.mkdir(parents=True)
+        (out_dir / "model.safetensors").write_bytes(b"weights" * 100)
+        checksums.record(out_dir, ["model.safetensors"])
+
+    monkeypatch.setattr(loading, "convert_gguf", convert)
+    config = ModelConfig(spec=str(gguf), cache_dir=str(tmp_path / "cache"))
+    path, _ = loading.materialize(config)
+    directory = tmp_path / "cache" / path.split("/cache/")[1]
+    for name in (q.CACHE_FILE, "packed-int4-weights-vnni8-vnni8.safetensors"):
+        (directory / name).write_bytes(b"derived" * 10)
+    checksums.record(directory, [q.CACHE_FILE, "packed-int4-weights-vnni8-vnni8.safetensors"])
+    (directory / "packed-int4-weights-vnni8-vnni8.safetensors").unlink()
+    (directory / q.CACHE_FILE).write_bytes(b"changed")
+    assert loading.materialize(config)[0] == path and len(converted) == 1
+    (directory / "model.safetensors").write_bytes(b"w")  # the converted weights themselves are still checked
+    loading.materialize(config)
+    assert len(converted) == 2
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-checksums"])
 def test_damaged_converted_weights_are_converted_again_with_a_warning(tmp_path, monkeypatch, caplog, damage):
     from hierspec import checksums, loading

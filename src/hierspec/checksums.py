@@ -82,15 +82,16 @@ def recorded_sha256(directory: str | Path, name: str) -> str | None:
     return entry["sha256"] if entry is not None else None
 
 
-def damage(directory: str | Path, names: Iterable[str] | None = None) -> str | None:
+def damage(directory: str | Path, names: Iterable[str] | None = None, skip: tuple[str, ...] = ()) -> str | None:
     """``None`` when every recorded file (or each of ``names``, which must be recorded) matches its checksum;
-    otherwise what is wrong, in a few words."""
+    otherwise what is wrong, in a few words. Recorded files whose names start with one of ``skip`` are left out
+    (caches that their own loaders check and rebuild)."""
     directory = Path(directory)
     files = _read_manifest(directory)
     if files is None:
         return f"no readable {MANIFEST} (written by an older hierspec, or damaged)"
     refreshed = False
-    for name in sorted(files) if names is None else names:
+    for name in sorted(n for n in files if not n.startswith(skip)) if names is None else names:
         expected = files.get(name)
         if expected is None:
             return f"{name} has no recorded checksum"

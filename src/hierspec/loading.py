@@ -82,6 +82,12 @@ def resolve_dtype(dtype: str, device: torch.device, quantized_file: bool = False
     return _DTYPES[dtype]
 
 
+#: caches kept beside a GGUF file's converted weights that their own loaders check and rebuild — the int4 blocks
+#: (runtime/quantized.py) and their packed stacks (runtime/packed_store.py): one that is damaged or was deleted (to
+#: free disk) is built again by itself, not a reason to convert the GGUF file again
+DERIVED_CACHES = ("int4-weights", "packed-")
+
+
 def gguf_cache_path(gguf: Path, cache_root: Path) -> Path:
     """Directory holding the converted weights of one GGUF file."""
     root = cache_root / "gguf"
@@ -152,7 +158,7 @@ def materialize(config: ModelConfig) -> tuple[str, str]:
     cache_root = Path(config.cache_dir) if config.cache_dir else user_cache_dir()
     target = gguf_cache_path(gguf, cache_root)
     if target.is_dir():
-        problem = checksums.damage(target)
+        problem = checksums.damage(target, skip=DERIVED_CACHES)
         if problem is not None:
             log.warning("the converted weights in %s are damaged (%s); converting %s again", target, problem, gguf)
             _discard(target)
