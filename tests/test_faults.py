@@ -303,17 +303,12 @@ def test_a_gguf_files_hash_is_remembered_by_its_path_size_and_time_and_taken_aga
         memo.chmod(0o700)
 
 
-def test_a_deleted_or_damaged_int4_cache_beside_the_converted_weights_does_not_convert_the_file_again(
-        tmp_path, monkeypatch):
-    """The int4 blocks and their packed stacks have their own checks and rebuild themselves: deleting them (to free
-    disk) or damaging them leaves the converted weights in use, and their names are the ones the loading skips."""
+def _fake_conversion(tmp_path, monkeypatch):
+    """A GGUF file whose conversion (counted in the returned list) leaves what convert_gguf leaves: the files and
+    their checksums; the model configuration that loads it."""
     from hierspec import checksums, loading
     from hierspec.config import ModelConfig
-    from hierspec.runtime import packed_store
-    from hierspec.runtime import quantized as q
 
-    for name in (q.CACHE_FILE, q.REQUANTIZED_CACHE_FILE, packed_store.store_name(q.CACHE_FILE, "vnni8", "vnni8")):
-        assert name.startswith(loading.DERIVED_CACHES), name
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + os.urandom(256))
     converted = []
@@ -321,11 +316,24 @@ def test_a_deleted_or_damaged_int4_cache_beside_the_converted_weights_does_not_c
     def convert(source, out_dir):
         converted.append(source)
         out_dir.mkdir(parents=True)
-        (out_dir / "model.safetensors").write_bytes(b"weights" * 100)
+        (out_dir / "model.safetensors").write_bytes(b"weights" * 1000)
         checksums.record(out_dir, ["model.safetensors"])
 
     monkeypatch.setattr(loading, "convert_gguf", convert)
-    config = ModelConfig(spec=str(gguf), cache_dir=str(tmp_path / "cache"))
+    return ModelConfig(spec=str(gguf), cache_dir=str(tmp_path / "cache")), converted
+
+
+def test_a_deleted_or_damaged_int4_cache_beside_the_converted_weights_does_not_convert_the_file_again(
+        tmp_path, monkeypatch):
+    """The int4 blocks and their packed stacks have their own checks and rebuild themselves: deleting them (to free
+    disk) or damaging them leaves the converted weights in use, and their names are the ones the loading skips."""
+    from hierspec import checksums, loading
+    from hierspec.runtime import packed_store
+    from hierspec.runtime import quantized as q
+
+    for name in (q.CACHE_FILE, q.REQUANTIZED_CACHE_FILE, packed_store.store_name(q.CACHE_FILE, "vnni8", "vnni8")):
+        assert name.startswith(loading.DERIVED_CACHES), name
+    config, converted = _fake_conversion(tmp_path, monkeypatch)
     path, _ = loading.materialize(config)
     directory = tmp_path / "cache" / path.split("/cache/")[1]
     for name in (q.CACHE_FILE, "packed-int4-weights-vnni8-vnni8.safetensors"):
@@ -342,20 +350,8 @@ def test_a_deleted_or_damaged_int4_cache_beside_the_converted_weights_does_not_c
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-checksums"])
 def test_damaged_converted_weights_are_converted_again_with_a_warning(tmp_path, monkeypatch, caplog, damage):
     from hierspec import checksums, loading
-    from hierspec.config import ModelConfig
 
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF" + os.urandom(256))
-    converted = []
-
-    def convert(source, out_dir):  # what convert_gguf leaves: the files and their checksums
-        converted.append(source)
-        out_dir.mkdir(parents=True)
-        (out_dir / "model.safetensors").write_bytes(b"weights" * 1000)
-        checksums.record(out_dir, ["model.safetensors"])
-
-    monkeypatch.setattr(loading, "convert_gguf", convert)
-    config = ModelConfig(spec=str(gguf), cache_dir=str(tmp_path / "cache"))
+    config, converted = _fake_conversion(tmp_path, monkeypatch)
     path, _ = loading.materialize(config)
     assert loading.materialize(config)[0] == path and len(converted) == 1  # an intact cache is used as it is
     weights = tmp_path / "cache" / path.split("/cache/")[1] / "model.safetensors"
