@@ -14,28 +14,16 @@ tokens/s, each method's ratio to plain decoding, the mean accepted length and wh
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 
 import torch
 
 import hierspec
+from hierspec.bench.questions import load_questions, select_questions
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
-
-
-def questions(path: str, per_category: int) -> list[str]:
-    counts: dict[str, int] = {}
-    prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for line in handle:
-            row = json.loads(line)
-            if counts.get(row["category"], 0) < per_category:
-                counts[row["category"]] = counts.get(row["category"], 0) + 1
-                prompts.append(row["turns"][0])
-    return prompts
 
 
 def main() -> None:
@@ -52,10 +40,11 @@ def main() -> None:
     learned_dir = tempfile.mkdtemp(prefix="hierspec-learned-")
     arms = {"ar": None, f"{args.method} (priors)": None, f"{args.method} (learned file)": learned_dir}
     totals = {arm: [0, 0.0, 0, 0] for arm in arms}  # tokens, seconds, forwards, identical
-    prompts = questions(args.questions, args.per_category)
-    SpeculativeDecoder(model, NoDrafter()).generate(model.encode_prompt(prompts[0]), config)  # warm-up
-    for prompt in prompts:
-        ids = model.encode_prompt(prompt)
+    prompts = select_questions(load_questions(args.questions), args.per_category)
+    first = prompts[0]
+    SpeculativeDecoder(model, NoDrafter()).generate(model.encode_prompt(first.turns[0], raw=first.raw), config)
+    for question in prompts:  # first turns, as the bench reads them
+        ids = model.encode_prompt(question.turns[0], raw=question.raw)
         reference = None
         for arm, directory in arms.items():
             drafter = NoDrafter() if arm == "ar" else make_drafter(

@@ -37,33 +37,21 @@ SOURCES = "sources.json"
 
 def remembered_sha256(path: Path, memo_dir: Path) -> str:
     """SHA-256 of ``path``, a file hierspec reads but does not own (a GGUF model file names its converted weights'
-    directory by it), remembered in ``memo_dir``'s :data:`SOURCES` by the file's absolute path, size and
-    modification time: hashed again only when one of those changed, so a load costs a ``stat`` instead of reading
-    the whole file (a 1 GB GGUF file took ~0.8 s) — the trust :func:`damage` gives the files it checks. A memo that
-    cannot be read or written costs the hash, nothing else."""
+    directory by it), remembered in ``memo_dir``'s :data:`SOURCES` (a manifest keyed by the file's absolute path)
+    by its size and modification time: hashed again only when one of those changed, so a load costs a ``stat``
+    instead of reading the whole file (a 1 GB GGUF file took ~0.8 s) — the trust :func:`damage` gives the files it
+    checks. A memo that cannot be read or written costs the hash, nothing else."""
     path = Path(path).resolve()
     stat = path.stat()
-    memo = _read_memo(memo_dir / SOURCES)
+    memo = _read_manifest(memo_dir, SOURCES) or {}
     known = memo.get(str(path))
-    if (known is not None and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns
-            and isinstance(known.get("sha256"), str)):
+    if known is not None and known["size"] == stat.st_size and known["mtime_ns"] == stat.st_mtime_ns:
         return known["sha256"]
-    digest = file_sha256(path)
-    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+    memo[str(path)] = entry = _entry(path)
     with contextlib.suppress(OSError):
         memo_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(memo_dir / SOURCES, {"magic": MAGIC, "version": VERSION, "files": memo}, indent=1,
-                          sort_keys=True)
-    return digest
-
-
-def _read_memo(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    files = data.get("files") if isinstance(data, dict) and data.get("magic") == MAGIC else None
-    return {name: entry for name, entry in files.items() if isinstance(entry, dict)} if isinstance(files, dict) else {}
+        _write_manifest(memo_dir, memo, SOURCES)
+    return entry["sha256"]
 
 
 def record(directory: str | Path, names: Iterable[str]) -> None:
@@ -118,9 +106,9 @@ def _entry(path: Path) -> dict:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
 
 
-def _read_manifest(directory: Path) -> dict | None:
+def _read_manifest(directory: Path, name: str = MANIFEST) -> dict | None:
     try:
-        data = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        data = json.loads((directory / name).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("magic") != MAGIC or data.get("version") != VERSION:
@@ -132,6 +120,6 @@ def _read_manifest(directory: Path) -> dict | None:
     return files if valid else None
 
 
-def _write_manifest(directory: Path, files: dict) -> None:
-    write_json_atomic(directory / MANIFEST, {"magic": MAGIC, "version": VERSION, "files": files}, indent=1,
+def _write_manifest(directory: Path, files: dict, name: str = MANIFEST) -> None:
+    write_json_atomic(directory / name, {"magic": MAGIC, "version": VERSION, "files": files}, indent=1,
                       sort_keys=True)

@@ -99,27 +99,14 @@ def write_json_atomic(path: Path, data, indent: int = 2, sort_keys: bool = False
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` through a temporary file renamed into place (:data:`FILE_MODE`, flushed to the disk first); a
     failed write leaves neither a partial file nor the temporary one."""
-    tmp = _bytes_beside(path, data)
-    try:
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _replace_with(_bytes_beside(path, data), path)
 
 
 def write_file_atomic(path: Path, write: Callable[[str], None]) -> None:
     """``write(name)`` fills a new temporary file beside ``path`` (a writer that takes a file name, such as
     safetensors' ``save_file``), which is then renamed into place (:data:`FILE_MODE`); a failed write leaves neither
     a partial file nor the temporary one."""
-    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(tmp)
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _replace_with(_temporary_beside(path, write), path)
 
 
 def _json_bytes(data, indent: int = 2, sort_keys: bool = False) -> bytes:
@@ -133,16 +120,35 @@ def _json_beside(path: Path, data) -> str:
 
 
 def _bytes_beside(path: Path, data: bytes) -> str:
-    """``data`` in a new temporary file beside ``path``, flushed to the disk: its name (removed again when the write
-    fails)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
+    """``data`` in a new temporary file beside ``path``, flushed to the disk: its name (:func:`_temporary_beside`)."""
+
+    def write(name: str) -> None:
+        with open(name, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fchmod(handle.fileno(), FILE_MODE)
             os.fsync(handle.fileno())
+
+    return _temporary_beside(path, write)
+
+
+def _temporary_beside(path: Path, write: Callable[[str], None]) -> str:
+    """A new temporary file beside ``path`` filled by ``write(name)`` and given :data:`FILE_MODE`: its name (removed
+    again when the write fails)."""
+    handle, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
     except BaseException:
         os.unlink(tmp)
         raise
     return tmp
+
+
+def _replace_with(tmp: str, path: Path) -> None:
+    """Rename the temporary file ``tmp`` to ``path``; the temporary file is gone either way."""
+    try:
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

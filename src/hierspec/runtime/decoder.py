@@ -180,16 +180,15 @@ class LlamaFamilyDecoder:
         names = {module: name for name, module in model.named_modules()}
         kernels = int4_kernel or Int4Kernels("torch", "torch")
 
+        store = packs if packs is not None else PackedStore(None, {})  # without one, every stack is packed here
+
         def projection(*linears: nn.Module, copy: bool = True, narrow: bool = False) -> Projection | Int4Projection:
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None, narrow_output=narrow)
-            biases = [m.bias for m in linears]
-            if packs is None:
-                return Int4Projection([quantized[names[m]] for m in linears], biases, kernels.four_bit,
-                                      kernels.eight_bit)
-            stacks = packs.stacks("+".join(names[m] for m in linears), lambda: pack_stacks(
+            stacks = store.stacks("+".join(names[m] for m in linears), lambda: pack_stacks(
                 [quantized[names[m]] for m in linears], kernels.four_bit, kernels.eight_bit))
-            return Int4Projection(None, biases, widths=[m.weight.shape[0] for m in linears], stacks=stacks)
+            return Int4Projection(None, [m.bias for m in linears], widths=[m.weight.shape[0] for m in linears],
+                                  stacks=stacks)
 
         # a decoder with a product dtype reads prompts, whose logits nobody reads: its head keeps the loaded weight
         head = model.get_output_embeddings()

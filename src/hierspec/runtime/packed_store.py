@@ -64,7 +64,7 @@ class PackedStore:
     def __init__(self, path: Path | None, identity: dict[str, object]) -> None:
         self.path = path
         self.identity = {"magic": MAGIC, "version": VERSION, **identity}
-        self._entries = self._open()
+        self._entries, self._handle = self._open()  # the file read once, its stacks taken from it by key
         self._stacks: dict[str, list] = {}
         self.read = 0
         self.built = 0
@@ -122,34 +122,34 @@ class PackedStore:
             log.warning("the packed int4 weights %s cannot be written (%s); the next load packs them again",
                         self.path, exc)
 
-    def _open(self) -> dict | None:
-        """The file's entries when it is intact and its identity is this load's, else ``None``."""
+    def _open(self) -> tuple[dict | None, object | None]:
+        """The file's entries and an open handle on it when it is intact and its identity is this load's, else
+        ``(None, None)``."""
         if self.path is None or not self.path.is_file():
-            return None
+            return None, None
         from safetensors import SafetensorError, safe_open
 
         try:
             problem = checksums.damage(self.path.parent, [self.path.name])
             if problem is None:
-                with safe_open(str(self.path), framework="pt") as handle:
-                    meta = handle.metadata() or {}
+                handle = safe_open(str(self.path), framework="pt")
+                meta = handle.metadata() or {}
                 if json.loads(meta.get("identity", "null")) == self.identity:
-                    return json.loads(meta["entries"])
+                    return json.loads(meta["entries"]), handle
                 problem = "packed for other weights, kernels or code"
         except (OSError, ValueError, KeyError, SafetensorError) as exc:
             problem = str(exc)
         log.info("packing the int4 weights again (%s: %s)", self.path.name, problem)
-        return None
+        return None, None
 
     def _read(self, key: str) -> list | None:
         entry = None if self._entries is None else self._entries.get(key)
         if entry is None:
             return None
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError
 
         try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                return [_stack_of(item, handle) for item in entry]
+            return [_stack_of(item, self._handle) for item in entry]
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
             log.info("packing %s again (%s)", key, exc)
             return None

@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from hierspec import checksums
-from hierspec.storage import write_file_atomic
 from hierspec.runtime import int4_kernel
+from hierspec.storage import write_file_atomic
 
 log = logging.getLogger(__name__)
 
@@ -618,23 +618,24 @@ def _read_cache(cache: Path, version: str) -> CachedWeights:
         names = set(handle.keys())
         if not all(f"{module}/{i}/codes" in names for module, count in counts.items() for i in range(count)):
             raise KeyError("a module's passes are missing from the int4 cache")
-    return CachedWeights(cache, counts)
+    return CachedWeights(cache, counts, names)
 
 
 class CachedWeights(Mapping):
     """A checked int4 cache file's passes by module name, each module's read (its codes unpacked) when first asked
     for: a load whose projections come packed (:class:`~hierspec.runtime.packed_store.PackedStore`) reads none."""
 
-    def __init__(self, path: Path, counts: dict[str, int]) -> None:
+    def __init__(self, path: Path, counts: dict[str, int], names: set[str]) -> None:
         self.path = path
         self._counts = counts
+        self._names = names  # the file's tensors
 
     def __getitem__(self, module: str) -> list[Int4Weight]:
         from safetensors import safe_open
 
         count = self._counts[module]
         with safe_open(str(self.path), framework="pt") as handle:
-            factors = _read_factors(handle, set(handle.keys()), module)
+            factors = _read_factors(handle, self._names, module)
             passes = []
             for i in range(count):
                 nibbles = handle.get_tensor(f"{module}/{i}/codes")
