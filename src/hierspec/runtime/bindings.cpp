@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
   m.def("int4_vnni8_mm", &int4_vnni8_mm,
         "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
+  m.def("dense_mm", &dense_mm, "float32 rows times a weight prepacked by oneDNN, in float32");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");

@@ -29,7 +29,7 @@ from hierspec.runtime import int4_kernel, onednn
 from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
-from hierspec.runtime.onednn import pack_weight, packed_linear
+from hierspec.runtime.onednn import DenseStack, pack_weight, packed_linear
 from hierspec.runtime.packed_store import PackedStore
 from hierspec.runtime.quantized import CachedWeights, Int4Kernels, Int4Projection, Int4Weight, pack_stacks
 from hierspec.runtime.slots import (SlotBatch, SlotPool, SlotWrites, finish_slot_batch, plan_slot_batch,
@@ -160,7 +160,7 @@ class LlamaFamilyDecoder:
     def __init__(self, model: nn.Module, packed: bool,
                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
                  product_dtype: torch.dtype | None = None, int4_kernel: Int4Kernels | None = None,
-                 packs: PackedStore | None = None) -> None:
+                 packs: PackedStore | None = None, dense_dtype: torch.dtype | None = None) -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -174,7 +174,10 @@ class LlamaFamilyDecoder:
             # a GGUF file's converted weights are a file mapping: each new token's row was a page fault (~0.4 ms on a
             # Zen 4 under KVM, ~5 % of a SmolLM2 step); the int4 path reads its own copy (SmolLM2: 113 MB, ~35 ms)
             self.embedding = self.embedding.clone()
-        self.final_norm = inner.norm.weight.detach()
+        if dense_dtype is not None:  # the compiled layers' rows are float32 whatever the weights' dtype
+            self.embedding = self.embedding.to(torch.float32, copy=True)
+        self._dense_dtype = dense_dtype
+        self.final_norm = _float_weight(inner.norm.weight, dense_dtype)
         # a prompt's attention runs in the products' dtype (bfloat16 halves its time where the CPU computes it)
         self._prompt_dtype = product_dtype or self.embedding.dtype
         names = {module: name for name, module in model.named_modules()}
@@ -183,6 +186,8 @@ class LlamaFamilyDecoder:
         store = packs if packs is not None else PackedStore(None, {})  # without one, every stack is packed here
 
         def projection(*linears: nn.Module, copy: bool = True, narrow: bool = False) -> Projection | Int4Projection:
+            if dense_dtype is not None:
+                return _dense_projection([m.weight for m in linears], [m.bias for m in linears], dense_dtype)
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None, narrow_output=narrow)
             stacks = store.stacks("+".join(names[m] for m in linears), lambda: pack_stacks(
@@ -194,8 +199,8 @@ class LlamaFamilyDecoder:
         head = model.get_output_embeddings()
         self.lm_head = projection(head, copy=False)
         self._head_source = (head, _head_passes(quantized, names[head]) if quantized is not None else None, kernels)
-        self.layers = [_Layer(norm1=layer.input_layernorm.weight.detach(),
-                              norm2=layer.post_attention_layernorm.weight.detach(),
+        self.layers = [_Layer(norm1=_float_weight(layer.input_layernorm.weight, dense_dtype),
+                              norm2=_float_weight(layer.post_attention_layernorm.weight, dense_dtype),
                               qkv=projection(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
                               out=projection(layer.self_attn.o_proj),
                               # a prompt's gate and up products stay bfloat16 into the activation: the float32
@@ -209,7 +214,7 @@ class LlamaFamilyDecoder:
         # the int4 path's model is its own arithmetic (file codes, its kernel's roundings): there the norms run as
         # one compiled call each, and with the compiled extension each layer half around attention is one call
         # (Int4Layers); float paths keep PyTorch's operations, equal to transformers'
-        compiled = quantized is not None and self.embedding.dtype == torch.float32
+        compiled = (quantized is not None or dense_dtype is not None) and self.embedding.dtype == torch.float32
         self._fused = Int4Layers.for_decoder(self) if compiled else None
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
         self._activation = self._fused.activation if self._fused is not None else _silu_product
@@ -233,6 +238,8 @@ class LlamaFamilyDecoder:
         of those tokens, in the same form as the whole head (each logit the same arithmetic as the whole head's)."""
         head, passes_of, kernels = self._head_source
         bias = None if head.bias is None else head.bias.detach()[tokens]
+        if self._dense_dtype is not None:
+            return _dense_projection([head.weight[tokens]], [bias], self._dense_dtype)
         passes = None if passes_of is None else passes_of()
         if passes is None:
             return Projection([_Rows(head.weight.detach()[tokens], bias)], packed=False)
@@ -631,15 +638,31 @@ def build_decoder(model: nn.Module, packed: bool,
                   quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
                   product_dtype: torch.dtype | None = None,
                   int4_kernel: Int4Kernels | None = None,
-                  packs: PackedStore | None = None) -> LlamaFamilyDecoder | None:
+                  packs: PackedStore | None = None,
+                  dense_dtype: torch.dtype | None = None) -> LlamaFamilyDecoder | None:
     """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
-    ``product_dtype`` — see :class:`Projection`), or ``None`` (with the reason logged) where transformers' modules
+    ``product_dtype`` — see :class:`Projection`, or the compiled layers over its weights prepacked in
+    ``dense_dtype`` — see :func:`_dense_projection`), or ``None`` (with the reason logged) where transformers' modules
     must run."""
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel, packs)
+    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel, packs, dense_dtype)
+
+
+def _dense_projection(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
+                      dtype: torch.dtype) -> Int4Projection:
+    """Linears of float weights as the compiled layers multiply them: one stack of the weights prepacked in
+    ``dtype`` (:class:`~hierspec.runtime.onednn.DenseStack`), float32 rows and outputs, float32 biases added."""
+    stack = DenseStack(pack_weight(_stacked([w.detach() for w in weights], dtype)))
+    return Int4Projection(None, biases, widths=[w.shape[0] for w in weights], stacks=[stack])
+
+
+def _float_weight(weight: torch.Tensor, dense_dtype: torch.dtype | None) -> torch.Tensor:
+    """A norm's weight as the decoder reads it: in float32 for the compiled layers over float weights (whose rows
+    are float32), as loaded otherwise."""
+    return weight.detach().float() if dense_dtype is not None else weight.detach()
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

@@ -56,11 +56,11 @@ Kept = TypeVar("Kept")
 
 #: the integer (VNNI) products with rows as two codes and as one (the longest to compile: first), the Python
 #: bindings, the product (``int4_kernel.cpp``), the layer halves around attention (``int4_blocks.cpp``), the AMX and
-#: AVX512-BF16 products, the compiled layers' exact attention, the draft head's guess, the verifier's row top-k and
-#: the cache's path move
+#: AVX512-BF16 products, the compiled layers' exact attention, the draft head's guess, the verifier's row top-k, the
+#: cache's path move and the product of weights prepacked by oneDNN
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "int4_vnni.cpp", "int4_vnni8.cpp", "bindings.cpp", "int4_kernel.cpp", "int4_blocks.cpp", "int4_amx.cpp",
-    "int4_bf16.cpp", "int4_attention.cpp", "head_guess.cpp", "row_topk.cpp", "cache_keep.cpp"))
+    "int4_bf16.cpp", "int4_attention.cpp", "head_guess.cpp", "row_topk.cpp", "cache_keep.cpp", "dense_onednn.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"),
            Path(__file__).with_name("int4_tiles.h"))

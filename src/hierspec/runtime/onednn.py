@@ -72,6 +72,19 @@ def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
+@dataclass(frozen=True)
+class DenseStack:
+    """One stack of a projection of the compiled layers over float weights: the members' weights one below the
+    other, prepacked (:func:`pack_weight`) in the products' dtype. Float32 rows are rounded to that dtype, multiplied
+    and widened back to float32 — here and in the compiled layers (``dense_onednn.cpp`` calls the same op), with the
+    same bits."""
+
+    weight: torch.Tensor
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return packed_linear(rows.to(self.weight.dtype).contiguous(), self.weight, None).float()
+
+
 class PackedLinear(nn.Module):
     """A drop-in for one ``nn.Linear`` computing with a prepacked copy of its weight.
 

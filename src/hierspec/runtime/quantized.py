@@ -48,6 +48,7 @@ import torch
 
 from hierspec import checksums
 from hierspec.runtime import int4_kernel
+from hierspec.runtime.onednn import DenseStack
 from hierspec.storage import write_file_atomic
 
 log = logging.getLogger(__name__)
@@ -403,8 +404,10 @@ class Int4Projection:
         #: the stacks as the compiled layer halves take them (int4_blocks.cpp, which tells the kernel by the codes):
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]``, the
         #: AVX512-BF16 ``[5-D codes, scales, bias]``, the integer ``[6-D codes, scales, bias, units]`` (a fifth,
-        #: empty tensor: rows as one 8-bit code an input) or PyTorch's ``[packed, table]`` per pass
-        self.native = [[stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
+        #: empty tensor: rows as one 8-bit code an input), PyTorch's ``[packed, table]`` per pass or a dense weight
+        #: prepacked by oneDNN ``[weight]``
+        self.native = [[stack.weight] if isinstance(stack, DenseStack)
+                       else [stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
                        else [stack.codes, stack.scales, stack.bias, stack.units] + (
                            [torch.empty(0)] if stack.one_code else [])
                        if isinstance(stack, int4_kernel.PackedVnni)
@@ -473,6 +476,8 @@ def _stacked_factors(factors: Sequence[ScaleFactors | None]) -> ScaleFactors | N
 
 
 def _product(rows: torch.Tensor, stack) -> torch.Tensor:
+    if isinstance(stack, DenseStack):
+        return stack(rows)
     if isinstance(stack, _COMPILED_LAYOUTS):
         module, _ = int4_kernel.compiled_kernel()
         return int4_kernel.int4_mm(module, rows.to(torch.float32).contiguous(), stack)

@@ -1,0 +1,149 @@
+"""The compiled layers over a model's own float weights (a bfloat16 model on a CPU with native bfloat16): the compiled
+product of oneDNN-prepacked weights (``dense_onednn.cpp``, a private PyTorch op reached through the dispatcher) equals
+the Python call bit for bit and fails loudly when the op changes; the decoder that uses it runs every layer as one
+compiled call, gives the same bits as its own Python layers, stays within bfloat16's rounding of the float32 model,
+and keeps every tree row and every batched sequence bit-identical to plain decoding."""
+
+import copy
+
+import pytest
+import torch
+
+from hierspec.config import GenerationConfig
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters.base import NoDrafter
+from hierspec.drafters.prompt_lookup import PromptLookupDrafter
+from hierspec.runtime import int4_kernel, onednn
+from hierspec.target import TargetModel
+from hierspec.tree import build_tree
+from drafters_for_tests import ScriptedDrafter
+from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
+
+MODULE, REASON = int4_kernel.compiled_kernel()
+needs_module = pytest.mark.skipif(MODULE is None or not hasattr(MODULE, "dense_mm"), reason=str(REASON))
+needs_bfloat16 = pytest.mark.skipif(onednn.probe(torch.bfloat16) is not None,
+                                    reason=str(onednn.probe(torch.bfloat16)))
+GENERATOR = torch.Generator().manual_seed(71)
+
+
+def _target(arch: str, seed: int = 3, **kwargs) -> TargetModel:
+    model = make_model(arch, vocab_size=96, seed=seed, dtype=torch.bfloat16, hidden=64, **kwargs)
+    return TargetModel(model, make_tokenizer(96), name=f"tiny-{arch}-bf16")
+
+
+# ---------------------------------------------------------------- the private op behind the compiled product
+@needs_module
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_product_is_the_python_calls_bit_for_bit(dtype):
+    if onednn.probe(dtype) is not None:
+        pytest.skip(onednn.probe(dtype))
+    weight = torch.randn(80, 48, generator=GENERATOR).to(dtype)
+    stack = onednn.DenseStack(onednn.pack_weight(weight))
+    rows = torch.randn(7, 48, generator=GENERATOR)
+    got = MODULE.dense_mm(rows, stack.weight)
+    assert got.dtype == torch.float32 and got.shape == (7, 80)
+    assert torch.equal(got, stack(rows))
+    assert torch.equal(got, onednn.packed_linear(rows.to(dtype), stack.weight, None).float())
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got, rows.to(dtype).float() @ weight.float().T, rtol=tolerance, atol=tolerance)
+
+
+@needs_module
+def test_the_compiled_product_refuses_a_weight_oneDNN_did_not_pack():
+    with pytest.raises(RuntimeError, match="prepacked by oneDNN"):
+        MODULE.dense_mm(torch.randn(2, 8), torch.randn(4, 8))
+
+
+# ---------------------------------------------------------------- the decoder over bfloat16 weights
+@needs_module
+@needs_bfloat16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bfloat16_model_runs_every_layer_as_one_compiled_call(arch):
+    target = _target(arch)
+    described = target.runtime.describe()
+    assert (described["kind"], described["weights"], described["layers"], described["kv_cache"]) == (
+        "packed", "bfloat16", "compiled-exact", "float16")
+    decoder = target.runtime.decoder
+    assert decoder.embedding.dtype == torch.float32 and decoder.final_norm.dtype == torch.float32
+    assert isinstance(decoder.layers[0].qkv.stacks[0], onednn.DenseStack)
+    assert decoder.layers[0].qkv.stacks[0].weight.dtype == torch.bfloat16
+
+
+@needs_module
+@needs_bfloat16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_compiled_layer_halves_equal_the_python_layers_over_the_same_weights(arch):
+    decoder = _target(arch).runtime.decoder
+    python = copy.copy(decoder)
+    python._fused = None  # the same weights, norm and activation; the halves operation by operation in Python
+    rows = 5
+    hidden = torch.randn(rows, 64, generator=GENERATOR)
+    cos, sin = decoder._rotation(torch.arange(20, 20 + rows))
+    for layer in decoder.layers:
+        compiled = decoder._fused.attention_inputs(layer, hidden, cos, sin)
+        expected = python._attention_inputs(layer, python._norm(hidden, layer.norm1, python.eps), cos, sin, rows)
+        for got, want in zip(compiled, expected):
+            assert torch.equal(got, want.contiguous())
+        attended = torch.randn(rows, 64, generator=GENERATOR)
+        assert torch.equal(decoder._mlp(layer, hidden.clone(), attended), python._mlp(layer, hidden.clone(), attended))
+
+
+@needs_module
+@needs_bfloat16
+@pytest.mark.parametrize("seed", [8, 9, 10, 11])
+def test_the_compiled_layers_are_as_close_to_the_float32_model_as_transformers_bfloat16_forward(seed):
+    model = make_model("llama", vocab_size=96, seed=seed, dtype=torch.bfloat16, hidden=64, init_std=0.1)
+    target = TargetModel(model, make_tokenizer(96))
+    reference = make_model("llama", vocab_size=96, seed=seed, dtype=torch.float32, hidden=64, init_std=0.1)
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    prompt = [int(t) for t in torch.randint(1, 96, (24,), generator=torch.Generator().manual_seed(seed))]
+    cache = target.new_cache()
+    target.prefill(cache, prompt[:-1])
+    got = target.forward_tree(cache, build_tree(prompt[-1], [])).logits[0]
+    with torch.inference_mode():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+        with target.stock():
+            transformers_bf16 = model(torch.tensor([prompt])).logits[0, -1].float()
+    assert int(got.argmax()) == int(expected.argmax())
+    assert (got - expected).abs().max() <= 2 * (transformers_bf16 - expected).abs().max()
+
+
+@needs_module
+@needs_bfloat16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tree_rows_and_chains_equal_plain_decoding_bit_for_bit(arch):
+    target = _target(arch, seed=4)
+    assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3, 2, 38, 4, 6, 26])
+    assert_tree_rows_equal_chains(target, trees=4)
+
+
+@needs_module
+@needs_bfloat16
+def test_greedy_speculation_equals_plain_decoding_alone_and_batched():
+    target = _target("qwen2", seed=5)
+    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
+    prompts = [[4, 8, 15, 16, 23, 42, 4, 8, 15], [7, 7, 1, 90, 33, 2, 7, 7]]
+    references = [SpeculativeDecoder(target, NoDrafter()).generate(p, config).token_ids for p in prompts]
+    for prompt, reference in zip(prompts, references):
+        for drafter in (PromptLookupDrafter(), ScriptedDrafter(len(prompt), reference, vocab=96, seed=1)):
+            assert SpeculativeDecoder(target, drafter).generate(prompt, config).token_ids == reference
+    from hierspec.batching import BatchConfig, BatchScheduler
+
+    scheduler = BatchScheduler(target, PromptLookupDrafter, BatchConfig(max_batch=2))
+    requests = [scheduler.submit(p, config) for p in prompts]
+    scheduler.run()
+    assert [r.result.token_ids for r in requests] == references
+
+
+@needs_module
+@needs_bfloat16
+def test_a_head_over_some_tokens_gives_the_whole_heads_logits_of_them():
+    target = _target("llama", seed=6)
+    tokens = [3, 50, 7, 95, 0, 64, 12]
+    cache = target.new_cache()
+    target.prefill(cache, [9, 8, 7, 6, 5])
+    whole = target.forward_tree(cache, build_tree(4, [[11, 12]])).logits
+    cache = target.new_cache()
+    target.prefill(cache, [9, 8, 7, 6, 5])
+    some = target.forward_tree(cache, build_tree(4, [[11, 12]]), head=target.head_over(tokens)).logits
+    assert torch.equal(some, whole[:, tokens])
