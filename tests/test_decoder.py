@@ -72,11 +72,14 @@ def test_owned_forward_equals_transformers_exactly_in_float64(make):
 @pytest.mark.skipif(onednn.probe(torch.float32) is not None, reason="no oneDNN packing here")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_owned_forward_with_packed_products_matches_transformers_in_float32(arch):
+    """The packed runtime's layers (compiled where the extension builds: their norm, rotation and activation round
+    in other last bits than PyTorch's) stay within float32 rounding of transformers' forward: 1e-5 of the logits'
+    scale (these tiny models' logits reach ~20)."""
     owned, stock = _pair(make_model(arch, VOCAB, seed=5, layers=3, dtype=torch.float32))
     assert owned.runtime.kind == "packed" and owned.runtime.packing is None  # the decoder packs its own products
     prompt = np.random.default_rng(1).integers(1, VOCAB, size=40).tolist()
     for got, expected in zip(_forwards(owned, prompt)[1::2], _forwards(stock, prompt)[1::2]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 

@@ -54,8 +54,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "and kept; expanded where trees are verified by another kernel)")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
-                            "default), model (the model's dtype) or auto (the default: float16 where the int4 "
-                            "path's compiled layers attend, else the model's dtype); lossless either way")
+                            "default), model (the model's dtype) or auto (the default: float16 where the compiled "
+                            "layers attend over quantized or bfloat16 weights, else the model's dtype); lossless "
+                            "either way")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -142,9 +142,9 @@ class ModelConfig:
             row rounded to one 8-bit code an input, llama.cpp's activation precision: half the dot products, so trees
             and batches cost less; ``auto``'s integer products since the thirty-second session, ``vnni`` only when
             asked for).
-        kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the int4 path's compiled
-            layers attend exactly — half the bytes a step reads from the cache, as llama.cpp's default — else the
-            model's dtype), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
+        kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the compiled layers attend
+            exactly over a GGUF file's weights or a bfloat16 model's — half the bytes a step reads from the cache, as
+            llama.cpp's default — else the model's dtype: a float32 model keeps float32 entries), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do
             not attend). Every method reads the same stored entries, so each stays lossless against plain decoding.
         requantize: ``"none"`` (a GGUF file's weights as stored) or ``"4bit"`` (on the int4 path, weights stored
             with more bits — ``Q8_0``, ``Q5_0``, ``Q6_K`` — rounded to 4-bit codes as ``Q4_1`` rounds them at load:

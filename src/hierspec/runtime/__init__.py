@@ -107,7 +107,7 @@ class RuntimeConfig:
         int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``,
             ``"vnni"`` or ``"vnni8"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
         kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
-            path), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
+            path, a bfloat16 model; a float32 model keeps float32 entries), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
         requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
             load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
         prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
@@ -244,10 +244,11 @@ class Runtime:
 
     def _dense_dtype(self, packable: bool) -> torch.dtype | None:
         """The products' dtype where the owned decoder runs the compiled layers over the model's own weights: a
-        bfloat16 model on a CPU whose oneDNN packs bfloat16 natively (its weights prepacked as loaded; rows, norms and
+        float32 or bfloat16 model whose weights oneDNN packs on this CPU (prepacked as loaded; rows, norms and
         attention in float32 as on the int4 path — one compiled call a forward instead of ~40 PyTorch operations a
-        layer); ``None`` elsewhere (the Python layers, transformers' arithmetic)."""
-        return torch.bfloat16 if packable and self.dtype == torch.bfloat16 and self.device.type == "cpu" else None
+        layer); ``None`` elsewhere (float64, eager, CUDA: the Python layers)."""
+        dense = packable and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        return self.dtype if dense else None
 
     def _int4_reason(self) -> str | None:
         if self.config.gguf is None:
@@ -262,15 +263,17 @@ class Runtime:
         return reason
 
     def _cache_dtype(self) -> torch.dtype | None:
-        """The KV cache's storage dtype: float16 where the compiled layers attend exactly (``auto``) or where it was
-        asked for; ``None``: the model's dtype."""
+        """The KV cache's storage dtype: float16 where the compiled layers attend exactly over quantized or bfloat16
+        weights (``auto``) or where it was asked for; ``None``: the model's dtype."""
         if self.config.kv_cache == "model":
             return None
         compiled = self.exact and self.layer_calls == "compiled-exact"
         if self.config.kv_cache == "float16" and not compiled:
-            raise InputError("a float16 KV cache needs the int4 path's compiled layers with exact attention (a GGUF "
-                             "file, --attention exact, the compiled extension built)")
-        return torch.float16 if compiled else None
+            raise InputError("a float16 KV cache needs the compiled layers with exact attention (a GGUF file or a "
+                             "float32/bfloat16 model on the CPU, --attention exact, the compiled extension built)")
+        # a float32 model keeps float32 entries unless asked: its arithmetic stays within 1e-5 of transformers'
+        narrow = self.config.kv_cache == "float16" or self.kind == "int4" or self.dtype != torch.float32
+        return torch.float16 if compiled and narrow else None
 
     def _packing_reason(self) -> str | None:
         """Why linears run unpacked (``--runtime eager``, not the CPU, a dtype oneDNN does not pack), or ``None``."""

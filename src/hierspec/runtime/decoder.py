@@ -211,9 +211,11 @@ class LlamaFamilyDecoder:
         self._rotary = inner.rotary_emb
         self._max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
         self._cos = self._sin = self.embedding.new_empty((0, self.head_dim))
-        # the int4 path's model is its own arithmetic (file codes, its kernel's roundings): there the norms run as
-        # one compiled call each, and with the compiled extension each layer half around attention is one call
-        # (Int4Layers); float paths keep PyTorch's operations, equal to transformers'
+        # the int4 path's model is its own arithmetic (file codes, its kernel's roundings), and so is that of the
+        # compiled layers over a float32 or bfloat16 model's prepacked weights (float32 rows; within float32 rounding
+        # of transformers'): there the norms run as one compiled call each, and with the compiled extension each
+        # layer half around attention is one call (Int4Layers); other paths (float64, eager) keep PyTorch's
+        # operations, equal to transformers'
         compiled = (quantized is not None or dense_dtype is not None) and self.embedding.dtype == torch.float32
         self._fused = Int4Layers.for_decoder(self) if compiled else None
         self._norm = self._fused.norm if self._fused is not None else compiled_rms_norm if compiled else _rms_norm
@@ -568,8 +570,8 @@ class _PromptGlue:
     ``prompt_add_norm``, ``prompt_activation`` in ``int4_blocks.cpp``): between its products each run of a layer's
     small tensor operations is one call — ~25 fewer calls a layer. Its arithmetic is the int4 path's (compiled
     norm, rotation and activation; each result rounded once to ``dtype``), not PyTorch's operation for operation:
-    only a decoder whose products are in a narrower dtype than its float32 rows takes it (the float paths keep
-    transformers' arithmetic)."""
+    only a decoder whose products are in a narrower dtype than its float32 rows takes it (the expanded prompt
+    decoder of the int4 path)."""
 
     module: object
     dtype: torch.dtype

@@ -5,7 +5,8 @@ a 2-core Zen 4; 61 calls per SmolLM2 forward, ~2 ms of a ~13 ms int4 step). :fun
 formula in one numba call. Its sum of squares is vectorised in an order fixed by the row's width, so a row's result
 does not depend on the rows beside it (the property every verification path needs), but it may differ from
 PyTorch's in the last bit: the int4 path's model is defined by its own arithmetic (file codes, bfloat16 roundings),
-while the float paths keep PyTorch's operations and so equal transformers exactly.
+as is the compiled layers' over a float32 or bfloat16 model's weights; float64 and eager paths keep PyTorch's
+operations and so equal transformers exactly.
 """
 
 from __future__ import annotations
