@@ -40,7 +40,7 @@ def test_the_compiled_product_is_the_python_calls_bit_for_bit(dtype):
     weight = torch.randn(80, 48, generator=GENERATOR).to(dtype)
     stack = onednn.DenseStack(onednn.pack_weight(weight))
     rows = torch.randn(7, 48, generator=GENERATOR)
-    got = MODULE.dense_mm(rows, stack.weight)
+    got = MODULE.dense_mm(rows, stack.weight, 0)
     assert got.dtype == torch.float32 and got.shape == (7, 80)
     assert torch.equal(got, stack(rows))
     assert torch.equal(got, onednn.packed_linear(rows.to(dtype), stack.weight, None).float())
@@ -49,9 +49,27 @@ def test_the_compiled_product_is_the_python_calls_bit_for_bit(dtype):
 
 
 @needs_module
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_beyond_the_invariant_count_are_multiplied_in_calls_that_keep_each_rows_result(dtype):
+    if onednn.probe(dtype) is not None:
+        pytest.skip(onednn.probe(dtype))
+    limit = onednn.invariant_rows(dtype, 960, 576)  # SmolLM2's q/k/v shape: 32 on an Intel Xeon with AMX
+    assert 4 <= limit <= onednn.MAX_ROWS_PER_CALL
+    weight = onednn.pack_weight(torch.randn(960, 576, generator=GENERATOR).to(dtype))
+    stack = onednn.DenseStack(weight, rows_per_call=min(limit, 32))
+    rows = torch.randn(100, 576, generator=GENERATOR)
+    alone = torch.cat([stack(rows[start : start + 4]) for start in range(0, 100, 4)])
+    for count in (4, 13, 32, 33, 48, 64, 100):
+        got = stack(rows[:count])
+        assert torch.equal(got, alone[:count]), count
+        assert torch.equal(MODULE.dense_mm(rows[:count], weight, stack.rows_per_call), got), count
+    assert stack.native[1].item() == stack.rows_per_call and len(onednn.DenseStack(weight).native) == 1
+
+
+@needs_module
 def test_the_compiled_product_refuses_a_weight_oneDNN_did_not_pack():
     with pytest.raises(RuntimeError, match="prepacked by oneDNN"):
-        MODULE.dense_mm(torch.randn(2, 8), torch.randn(4, 8))
+        MODULE.dense_mm(torch.randn(2, 8), torch.randn(4, 8), 0)
 
 
 # ---------------------------------------------------------------- the decoder over bfloat16 weights
@@ -65,8 +83,11 @@ def test_a_bfloat16_model_runs_every_layer_as_one_compiled_call(arch):
         "packed", "bfloat16", "compiled-exact", "float16")
     decoder = target.runtime.decoder
     assert decoder.embedding.dtype == torch.float32 and decoder.final_norm.dtype == torch.float32
-    assert isinstance(decoder.layers[0].qkv.stacks[0], onednn.DenseStack)
-    assert decoder.layers[0].qkv.stacks[0].weight.dtype == torch.bfloat16
+    stack = decoder.layers[0].qkv.stacks[0]
+    assert isinstance(stack, onednn.DenseStack) and stack.weight.dtype == torch.bfloat16
+    assert stack.rows_per_call == onednn.invariant_rows(torch.bfloat16, stack.weight.shape[0], 64)
+    prompts = target.runtime.prefill_decoder  # prompts in whole calls: the same weights
+    assert prompts.layers[0].qkv.stacks[0].rows_per_call == 0 and prompts.layers[0].qkv.stacks[0].weight is stack.weight
 
 
 @needs_module
@@ -114,6 +135,8 @@ def test_the_compiled_layers_are_as_close_to_the_float32_model_as_transformers_b
 def test_tree_rows_and_chains_equal_plain_decoding_bit_for_bit(arch):
     target = _target(arch, seed=4)
     assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3, 2, 38, 4, 6, 26])
+    # 41 nodes: a 48-row forward, past the 32 rows up to which oneDNN's bfloat16 products on AMX keep each row's bits
+    assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [(7 * i + 3) % 95 + 1 for i in range(40)])
     assert_tree_rows_equal_chains(target, trees=4)
 
 

@@ -177,6 +177,8 @@ class Runtime:
             self.prefill_decoder = self._prompt_decoder()
         elif not use_graphs and self.config.decoder == "auto":
             self.decoder = build_decoder(model, packed=packable, dense_dtype=self._dense_dtype(packable))
+            if self.decoder is not None and self.decoder._dense_dtype is not None:
+                self.prefill_decoder = self.decoder.with_whole_products()
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))

@@ -24,8 +24,9 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
                         const at::Tensor& units);
 at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                          const at::Tensor& units);
-// dense_onednn.cpp: float32 rows times a weight prepacked by oneDNN (bfloat16 or float32), in float32
-at::Tensor dense_mm(const at::Tensor& rows, const at::Tensor& packed);
+// dense_onednn.cpp: float32 rows times a weight prepacked by oneDNN (bfloat16 or float32), in float32, at most
+// rows_per_call rows a call where it is positive
+at::Tensor dense_mm(const at::Tensor& rows, const at::Tensor& packed, int64_t rows_per_call);
 
 // int4_blocks.cpp
 // rows times a projection's stacks side by side (each stack's kernel told by its codes), plus its bias where given

@@ -72,17 +72,68 @@ def packed_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor |
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
+#: the most rows one product of the compiled layers over float weights takes: on an Intel Xeon with AMX, oneDNN's
+#: bfloat16 products of SmolLM2's and Qwen2.5-Coder's shapes round some rows in other last bits from 33 rows on than
+#: with 32 or fewer (in ~half of random draws of a weight: too rare for a probe to find every time), which a tree
+#: verified in one forward would turn into another output than plain decoding's
+MAX_ROWS_PER_CALL = 32
+#: outputs of the weights :func:`invariant_rows` probes at most, and the random draws it probes
+PROBE_OUTPUTS = 4096
+PROBE_DRAWS = 4
+
+
+def invariant_rows(dtype: torch.dtype, outputs: int, inputs: int) -> int:
+    """The most rows one packed product of ``dtype`` and shape ``[outputs, inputs]`` takes in the compiled layers:
+    :data:`MAX_ROWS_PER_CALL`, or fewer where a probe on this CPU finds a row's result changing at a smaller row
+    count (once per process and shape, :func:`_probed_rows`)."""
+    return _probed_rows(dtype, min(outputs, PROBE_OUTPUTS), inputs)
+
+
+@functools.lru_cache(maxsize=None)
+def _probed_rows(dtype: torch.dtype, outputs: int, inputs: int) -> int:
+    """:func:`invariant_rows` on :data:`PROBE_DRAWS` random weights of that shape: each call of ``m`` rows compared
+    with the call of ``m - 1`` rows on their common rows, from 5 rows up to the first that differs."""
+    generator = torch.Generator().manual_seed(0)
+    limit = MAX_ROWS_PER_CALL
+    for _ in range(PROBE_DRAWS):
+        weight = pack_weight(torch.randn(outputs, inputs, generator=generator).to(dtype))
+        rows = torch.randn(limit, inputs, generator=generator).to(dtype)
+        before = packed_linear(rows[:4], weight, None)
+        for count in range(5, limit + 1):
+            product = packed_linear(rows[:count], weight, None)
+            if not torch.equal(product[: count - 1], before):
+                limit = count - 1
+                break
+            before = product
+    return limit
+
+
 @dataclass(frozen=True)
 class DenseStack:
     """One stack of a projection of the compiled layers over float weights: the members' weights one below the
     other, prepacked (:func:`pack_weight`) in the products' dtype. Float32 rows are rounded to that dtype, multiplied
     and widened back to float32 — here and in the compiled layers (``dense_onednn.cpp`` calls the same op), with the
-    same bits."""
+    same bits. With ``rows_per_call`` (:func:`invariant_rows`), more rows than that are multiplied in as few calls of
+    near-equal size (each of at least half as many rows), so that a row's result does not depend on how many rows
+    travel with it; 0: one call whatever the count (a prompt's rows, read alike by every method)."""
 
     weight: torch.Tensor
+    rows_per_call: int = 0
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return packed_linear(rows.to(self.weight.dtype).contiguous(), self.weight, None).float()
+        inputs = rows.to(self.weight.dtype)
+        calls = -(-inputs.shape[0] // self.rows_per_call) if self.rows_per_call else 1
+        if calls == 1:
+            return packed_linear(inputs.contiguous(), self.weight, None).float()
+        return torch.cat([packed_linear(part.contiguous(), self.weight, None) for part in inputs.tensor_split(calls)]
+                         ).float()
+
+    @property
+    def native(self) -> list[torch.Tensor]:
+        """The stack as the compiled layers take it: ``[weight]``, or ``[weight, rows_per_call]`` (a 0-d int64)."""
+        if not self.rows_per_call:
+            return [self.weight]
+        return [self.weight, torch.tensor(self.rows_per_call, dtype=torch.int64)]
 
 
 class PackedLinear(nn.Module):

@@ -405,8 +405,8 @@ class Int4Projection:
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]``, the
         #: AVX512-BF16 ``[5-D codes, scales, bias]``, the integer ``[6-D codes, scales, bias, units]`` (a fifth,
         #: empty tensor: rows as one 8-bit code an input), PyTorch's ``[packed, table]`` per pass or a dense weight
-        #: prepacked by oneDNN ``[weight]``
-        self.native = [[stack.weight] if isinstance(stack, DenseStack)
+        #: prepacked by oneDNN ``[weight]`` or ``[weight, rows a call]``
+        self.native = [stack.native if isinstance(stack, DenseStack)
                        else [stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
                        else [stack.codes, stack.scales, stack.bias, stack.units] + (
                            [torch.empty(0)] if stack.one_code else [])
@@ -423,6 +423,16 @@ class Int4Projection:
         view.native = [tensors[:4] + ([torch.empty(0)] if one_code else [])
                        if isinstance(stack, int4_kernel.PackedVnni) else tensors
                        for stack, tensors in zip(self.stacks, self.native)]
+        return view
+
+    def with_whole_products(self) -> Int4Projection:
+        """This projection with every dense stack multiplying any number of rows in one call (a prompt's rows, which
+        every method reads alike): the same prepacked weights, shared; other stacks unchanged."""
+        view = copy.copy(self)
+        view.stacks = [replace(stack, rows_per_call=0) if isinstance(stack, DenseStack) else stack
+                       for stack in self.stacks]
+        view.native = [stack.native if isinstance(stack, DenseStack) else tensors
+                       for stack, tensors in zip(view.stacks, self.native)]
         return view
 
     def __call__(self, rows: torch.Tensor, split: bool = True) -> list[torch.Tensor]:
