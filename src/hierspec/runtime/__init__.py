@@ -107,7 +107,8 @@ class RuntimeConfig:
         int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``,
             ``"vnni"`` or ``"vnni8"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
         kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
-            path, a bfloat16 model; a float32 model keeps float32 entries), ``"model"`` (the model's dtype) or ``"float16"`` (an error where the compiled layers do not run).
+            path, a bfloat16 model; a float32 model keeps float32 entries), ``"model"`` (the model's dtype) or
+            ``"float16"`` (an error where the compiled layers do not run).
         requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
             load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
         prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
@@ -177,7 +178,7 @@ class Runtime:
             self.prefill_decoder = self._prompt_decoder()
         elif not use_graphs and self.config.decoder == "auto":
             self.decoder = build_decoder(model, packed=packable, dense_dtype=self._dense_dtype(packable))
-            if self.decoder is not None and self.decoder._dense_dtype is not None:
+            if self.decoder is not None and self.decoder.dense_dtype is not None:
                 self.prefill_decoder = self.decoder.with_whole_products()
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)

@@ -222,6 +222,12 @@ class LlamaFamilyDecoder:
         self._activation = self._fused.activation if self._fused is not None else _silu_product
         self._glue = _PromptGlue.for_decoder(self, product_dtype) if quantized is None else None
 
+    @property
+    def dense_dtype(self) -> torch.dtype | None:
+        """The dtype of the prepacked weights where this decoder runs the compiled layers over a float model's own
+        weights (:func:`build_decoder`'s ``dense_dtype``), else ``None``."""
+        return self._dense_dtype
+
     def with_row_codes(self, one_code: bool) -> LlamaFamilyDecoder:
         """This int4 decoder with its layers' integer (VNNI) products taking rows as one 8-bit code an input or as
         two (:meth:`~hierspec.runtime.quantized.Int4Projection.with_row_codes`): the same packed weights, embedding
