@@ -145,7 +145,8 @@ class ModelConfig:
         kv_cache: how the KV cache stores keys and values: ``"auto"`` (float16 where the compiled layers attend
             exactly over a GGUF file's weights or a bfloat16 model's — half the bytes a step reads from the cache, as
             llama.cpp's default — else the model's dtype: a float32 model keeps float32 entries), ``"model"`` (the
-            model's dtype) or ``"float16"`` (an error where the compiled layers do not attend). Every method reads the same stored entries, so each stays lossless against plain decoding.
+            model's dtype) or ``"float16"`` (an error where the compiled layers do not attend). Every method reads
+            the same stored entries, so each stays lossless against plain decoding.
         requantize: ``"none"`` (a GGUF file's weights as stored) or ``"4bit"`` (on the int4 path, weights stored
             with more bits — ``Q8_0``, ``Q5_0``, ``Q6_K`` — rounded to 4-bit codes as ``Q4_1`` rounds them at load:
             fewer bytes a forward). Meant for draft models, whose weights decide what is proposed, never what is
