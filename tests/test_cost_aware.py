@@ -368,6 +368,51 @@ def test_a_draft_models_cost_is_its_curves_shape_in_its_targets_milliseconds(tmp
     assert drafter.draft_cost(5) == pytest.approx(5 * 0.25 * target_step) and pairs == [draft]
 
 
+def test_a_draft_models_cost_ratio_is_measured_once_per_machine_setting(tmp_path, monkeypatch, caplog):
+    """The paired ratio is saved beside the curves and read back by later processes; another thread count (another
+    setting) measures its own, and a damaged or foreign file is measured again and replaced. A cache that cannot be
+    written still gives the ratio."""
+    import torch
+
+    import hierspec.calibration as calibration
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    target = make_target("llama", vocab_size=64, seed=0, max_positions=256)
+    draft = make_target("llama", vocab_size=64, seed=1, max_positions=256)
+    measured = []
+    monkeypatch.setattr(calibration, "paired_cost_ratio",
+                        lambda model, reference: measured.append(model) or 0.125 * len(measured))
+    path = calibration.default_ratio_path(draft, target)
+    assert not path.exists()
+    assert calibration.saved_paired_cost_ratio(draft, target) == 0.125 and path.is_file()
+    assert calibration.saved_paired_cost_ratio(draft, target) == 0.125 and len(measured) == 1  # read back
+    saved = json.loads(path.read_text())
+    assert saved["magic"] == "hierspec-cost-ratio" and saved["version"] == 1 and saved["ratio"] == 0.125
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        other = calibration.default_ratio_path(draft, target)
+        assert other != path and calibration.saved_paired_cost_ratio(draft, target) == 0.25 and len(measured) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert calibration.saved_paired_cost_ratio(draft, target) == 0.125  # each setting keeps its own
+
+    for damage in (b"{not json", json.dumps({**saved, "ratio": -1.0}).encode(),
+                   json.dumps({**saved, "reference": {**saved["reference"], "model": "another"}}).encode()):
+        path.write_bytes(damage)
+        before = len(measured)
+        assert calibration.saved_paired_cost_ratio(draft, target) == 0.125 * (before + 1)
+        assert json.loads(path.read_text())["ratio"] == 0.125 * (before + 1)  # replaced by the new measurement
+
+    monkeypatch.setattr(calibration, "write_json_atomic", lambda *args, **kwargs: (_ for _ in ()).throw(
+        OSError(28, "No space left on device")))
+    path.unlink()
+    with caplog.at_level("WARNING", logger="hierspec.calibration"):
+        assert calibration.saved_paired_cost_ratio(draft, target) == 0.125 * len(measured)
+    assert "used for this run only" in caplog.text and not path.exists()
+
+
 def test_a_paired_cost_ratio_holds_on_a_machine_whose_speed_changes_between_pairs(monkeypatch):
     """A fake clock: the draft's one-token forward takes 3 units, the target's 10, both times a slowdown that
     changes from one pair to the next (1, 5, 2, 7, ...): each pair's ratio, hence their median, is 0.3, where the

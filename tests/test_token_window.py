@@ -120,7 +120,7 @@ def test_windowed_sd_and_hsddw_reproduce_plain_decoding(tmp_path, monkeypatch):
     # target's in pairs): measured, as it otherwise is, it came out dear enough under a loaded suite to keep every
     # window at one token
     monkeypatch.setattr(calibration, "verification_cost", lambda model, measure=True: lambda rows: 0.5)
-    monkeypatch.setattr(calibration, "paired_cost_ratio", lambda model, reference: 0.05)
+    monkeypatch.setattr(calibration, "saved_paired_cost_ratio", lambda model, reference: 0.05)
     target = make_target("llama", vocab_size=64, seed=3)
     context = DrafterContext(target, cost_curve=_curve(tmp_path))
     rng = np.random.default_rng(9)

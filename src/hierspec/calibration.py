@@ -283,13 +283,66 @@ def paired_cost_ratio(model: TargetModel, reference: TargetModel, pairs: int = R
     return statistics.median(ratios)
 
 
+RATIO_MAGIC = "hierspec-cost-ratio"
+RATIO_VERSION = 1
+
+
+def default_ratio_path(model: TargetModel, reference: TargetModel, root: str | Path | None = None) -> Path:
+    """Where the paired cost ratio of ``model`` against ``reference`` on this machine setting lives: beside the
+    curves, named for both models' curve files (another model, dtype, thread count, CPU or kernel, another file)."""
+    names = f"{default_curve_path(model).name}|{default_curve_path(reference).name}"
+    name = f"ratio-{hashlib.sha256(names.encode()).hexdigest()[:16]}.json"
+    return Path(root or user_cache_dir() / "calibration") / name
+
+
+def saved_paired_cost_ratio(model: TargetModel, reference: TargetModel, path: Path | None = None) -> float:
+    """:func:`paired_cost_ratio`, measured once per machine setting and read back after that (~1.6 s of every
+    process that loads Qwen2.5-Coder-0.5B as the 1.5B's draft, BENCHMARKS.md, "Fifty-fourth session"). A ratio of
+    forwards timed in pairs does not carry the machine's speed of its moment, as a saved curve's milliseconds do, so
+    a saved one serves later processes; one saved for other models or settings, damaged or unreadable is measured
+    again, and a ratio that cannot be saved serves this process only."""
+    path = path or default_ratio_path(model, reference)
+    identities = {"model": machine_identity(model), "reference": machine_identity(reference)}
+    saved = _read_ratio(path, identities)
+    if saved is not None:
+        return saved
+    ratio = paired_cost_ratio(model, reference)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, {"magic": RATIO_MAGIC, "version": RATIO_VERSION, **identities, "ratio": ratio,
+                                 "pairs": RATIO_PAIRS, "context": RATIO_CONTEXT})
+    except OSError as exc:
+        log.warning("could not save the draft's cost ratio to %s (%s); it is used for this run only", path, exc)
+    return ratio
+
+
+def _read_ratio(path: Path, identities: dict) -> float | None:
+    """The ratio saved at ``path`` for these two identities, or ``None`` (missing, damaged, another setting)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        log.warning("measuring the draft's cost ratio again: %s cannot be read (%s)", path, type(exc).__name__)
+        return None
+    ratio = data.get("ratio") if isinstance(data, dict) else None
+    if (not isinstance(data, dict) or data.get("magic") != RATIO_MAGIC or data.get("version") != RATIO_VERSION
+            or not _positive_ms(ratio)):
+        log.warning("measuring the draft's cost ratio again: %s is not a saved cost ratio of this version", path)
+        return None
+    if any(data.get(key) != identity for key, identity in identities.items()):
+        return None  # the same file name for other models or settings (a hash collision, or a stale field)
+    return float(ratio)
+
+
 def relative_verification_cost(model: TargetModel, reference: TargetModel,
                                reference_cost: Callable[[int], float]) -> Callable[[int], float]:
     """``model``'s verification cost by rows (:func:`verification_cost`: its saved or measured curve's shape), scaled
-    so that its one-token forward costs :func:`paired_cost_ratio` times ``reference_cost(1)``: a draft model's cost
-    in its target's milliseconds, whatever the machine's speed when either curve was measured."""
+    so that its one-token forward costs :func:`paired_cost_ratio` times ``reference_cost(1)`` (saved per machine
+    setting: :func:`saved_paired_cost_ratio`): a draft model's cost in its target's milliseconds, whatever the
+    machine's speed when either curve was measured."""
     own = verification_cost(model)
-    scale = paired_cost_ratio(model, reference) * reference_cost(1) / own(1)
+    scale = saved_paired_cost_ratio(model, reference) * reference_cost(1) / own(1)
     log.info("%s costs %.3f of %s's step (one-token forwards timed in pairs)", model.name,
              scale * own(1) / reference_cost(1), reference.name)
     return lambda rows: own(rows) * scale
