@@ -13,7 +13,8 @@ from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters.base import NoDrafter
 from hierspec.drafters.prompt_lookup import PromptLookupDrafter
-from hierspec.runtime import int4_kernel, onednn
+from hierspec.errors import InputError
+from hierspec.runtime import RuntimeConfig, dense_kernel, int4_kernel, onednn
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
 from drafters_for_tests import ScriptedDrafter
@@ -26,9 +27,15 @@ needs_bfloat16 = pytest.mark.skipif(onednn.probe(torch.bfloat16) is not None,
 GENERATOR = torch.Generator().manual_seed(71)
 
 
-def _target(arch: str, seed: int = 3, **kwargs) -> TargetModel:
+DOTS = MODULE is not None and hasattr(MODULE, "dense_bf16_ready") and MODULE.dense_bf16_ready()
+needs_dots = pytest.mark.skipif(not DOTS, reason="no AVX512-BF16 dense products in this build")
+#: both kernels of a bfloat16 model's tree rows, the dot products only where this CPU has them
+KERNELS = ["onednn", pytest.param("dots", marks=needs_dots)]
+
+
+def _target(arch: str, seed: int = 3, kernel: str = "onednn", **kwargs) -> TargetModel:
     model = make_model(arch, vocab_size=96, seed=seed, dtype=torch.bfloat16, hidden=64, **kwargs)
-    return TargetModel(model, make_tokenizer(96), name=f"tiny-{arch}-bf16")
+    return TargetModel(model, make_tokenizer(96), name=f"tiny-{arch}-bf16", runtime=RuntimeConfig(dense_kernel=kernel))
 
 
 # ---------------------------------------------------------------- the private op behind the compiled product
@@ -93,8 +100,9 @@ def test_a_bfloat16_model_runs_every_layer_as_one_compiled_call(arch):
 @needs_module
 @needs_bfloat16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_compiled_layer_halves_equal_the_python_layers_over_the_same_weights(arch):
-    decoder = _target(arch).runtime.decoder
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_compiled_layer_halves_equal_the_python_layers_over_the_same_weights(arch, kernel):
+    decoder = _target(arch, kernel=kernel).runtime.decoder
     python = copy.copy(decoder)
     python._fused = None  # the same weights, norm and activation; the halves operation by operation in Python
     rows = 5
@@ -131,9 +139,11 @@ def test_the_compiled_layers_are_as_close_to_the_float32_model_as_transformers_b
 
 @needs_module
 @needs_bfloat16
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tree_rows_and_chains_equal_plain_decoding_bit_for_bit(arch):
-    target = _target(arch, seed=4)
+def test_tree_rows_and_chains_equal_plain_decoding_bit_for_bit(arch, kernel):
+    target = _target(arch, seed=4, kernel=kernel)
+    assert target.runtime.dense_kernel == kernel
     assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3, 2, 38, 4, 6, 26])
     # 41 nodes: a 48-row forward, past the 32 rows up to which oneDNN's bfloat16 products on AMX keep each row's bits
     assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [(7 * i + 3) % 95 + 1 for i in range(40)])
@@ -142,8 +152,9 @@ def test_tree_rows_and_chains_equal_plain_decoding_bit_for_bit(arch):
 
 @needs_module
 @needs_bfloat16
-def test_greedy_speculation_equals_plain_decoding_alone_and_batched():
-    target = _target("qwen2", seed=5)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_greedy_speculation_equals_plain_decoding_alone_and_batched(kernel):
+    target = _target("qwen2", seed=5, kernel=kernel)
     config = GenerationConfig(max_new_tokens=40, stop_at_eos=False)
     prompts = [[4, 8, 15, 16, 23, 42, 4, 8, 15], [7, 7, 1, 90, 33, 2, 7, 7]]
     references = [SpeculativeDecoder(target, NoDrafter()).generate(p, config).token_ids for p in prompts]
@@ -160,8 +171,9 @@ def test_greedy_speculation_equals_plain_decoding_alone_and_batched():
 
 @needs_module
 @needs_bfloat16
-def test_a_head_over_some_tokens_gives_the_whole_heads_logits_of_them():
-    target = _target("llama", seed=6)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_head_over_some_tokens_gives_the_whole_heads_logits_of_them(kernel):
+    target = _target("llama", seed=6, kernel=kernel)
     tokens = [3, 50, 7, 95, 0, 64, 12]
     cache = target.new_cache()
     target.prefill(cache, [9, 8, 7, 6, 5])
@@ -170,3 +182,85 @@ def test_a_head_over_some_tokens_gives_the_whole_heads_logits_of_them():
     target.prefill(cache, [9, 8, 7, 6, 5])
     some = target.forward_tree(cache, build_tree(4, [[11, 12]]), head=target.head_over(tokens)).logits
     assert torch.equal(some, whole[:, tokens])
+
+
+# ---------------------------------------------------------------- the AVX512-BF16 dot products (dense_bf16.cpp)
+def test_the_dot_products_layout_puts_a_blocks_outputs_at_an_input_pair_side_by_side():
+    weight = torch.arange(32 * 4, dtype=torch.float32).reshape(32, 4).to(torch.bfloat16)  # exact in bfloat16
+    packed = dense_kernel.pack_dots(weight)
+    assert packed.shape == (2, 2, 16, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    for block, pair, output, half in [(0, 0, 0, 0), (0, 1, 5, 1), (1, 0, 15, 1), (1, 1, 3, 0)]:
+        assert packed[block, pair, output, half] == weight[16 * block + output, 2 * pair + half]
+    assert dense_kernel.dots_fit(32, 64) and not dense_kernel.dots_fit(40, 64) and not dense_kernel.dots_fit(32, 48)
+
+
+@needs_dots
+def test_each_rows_dot_products_are_the_same_whatever_rows_travel_with_it():
+    """Every row of 1..40 rows, and the rows taken apart or on one thread, bit for bit; within float32 rounding of the
+    float64 product of the bfloat16-rounded rows."""
+    weight = torch.randn(208, 96, generator=GENERATOR).to(torch.bfloat16)  # 13 blocks: 3 passes of 4 and one of 1
+    packed = dense_kernel.pack_dots(weight)
+    rows = torch.randn(40, 96, generator=GENERATOR)
+    whole = MODULE.dense_bf16_mm(rows, packed)
+    assert whole.dtype == torch.float32 and whole.shape == (40, 208)
+    reference = rows.to(torch.bfloat16).double() @ weight.double().T
+    torch.testing.assert_close(whole.double(), reference, rtol=1e-5, atol=1e-4)
+    for count in range(1, 41):
+        assert torch.equal(MODULE.dense_bf16_mm(rows[:count], packed), whole[:count]), count
+    for start in (3, 17, 39):
+        assert torch.equal(MODULE.dense_bf16_mm(rows[start : start + 1], packed), whole[start : start + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(MODULE.dense_bf16_mm(rows, packed), whole)
+    finally:
+        torch.set_num_threads(threads)
+    stack = dense_kernel.dense_stack([weight[:100], weight[100:]], weight, "dots")
+    assert isinstance(stack, dense_kernel.DotsStack) and torch.equal(stack(rows), whole)
+    with pytest.raises(RuntimeError, match="packed"):
+        MODULE.dense_bf16_mm(rows, weight)  # an unpacked weight
+
+
+@needs_dots
+def test_a_dots_kernels_prompts_are_read_by_the_members_own_weights_in_whole_products():
+    weights = [torch.randn(48, 64, generator=GENERATOR).to(torch.bfloat16) for _ in range(2)]
+    stack = dense_kernel.dense_stack(weights, torch.cat(weights), "dots")
+    prompt = stack.whole()
+    assert isinstance(prompt, dense_kernel.MembersStack)
+    assert [m.data_ptr() for m in prompt.members] == [w.data_ptr() for w in weights]  # no copy
+    rows = torch.randn(70, 64, generator=GENERATOR)
+    expected = torch.cat([torch.nn.functional.linear(rows.to(torch.bfloat16), w) for w in weights], -1).float()
+    assert torch.equal(prompt(rows), expected) and torch.equal(MODULE.dense_members_mm(rows, prompt.native), expected)
+    target = _target("llama", kernel="dots")
+    qkv = target.runtime.decoder.layers[0].qkv.stacks[0]
+    assert isinstance(qkv, dense_kernel.DotsStack) and target.runtime.describe()["dense_kernel"] == "dots"
+    assert isinstance(target.runtime.prefill_decoder.layers[0].qkv.stacks[0], dense_kernel.MembersStack)
+
+
+def test_the_dense_kernel_is_chosen_by_timing_once_and_kept(monkeypatch):
+    timed = []
+    monkeypatch.setattr(dense_kernel, "dots_reason", lambda: None)
+    monkeypatch.setattr(dense_kernel, "time_dense_products",
+                        lambda: timed.append(1) or {"onednn": [3e-3, 5e-3], "dots": [2e-3, 5.5e-3]})
+    dense_kernel.timed_dense_choice.cache_clear()
+    path = dense_kernel.dense_choice_path(7)
+    path.unlink(missing_ok=True)
+    try:
+        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots" and path.is_file()
+        dense_kernel.timed_dense_choice.cache_clear()
+        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots" and timed == [1]  # kept
+        assert dense_kernel.resolve_dense_kernel("auto", torch.float32, 7) == "onednn"
+        assert dense_kernel.resolve_dense_kernel("onednn", torch.bfloat16, 7) == "onednn"
+        from hierspec.runtime import prompt_kernel
+
+        assert path in prompt_kernel.kept_choices(7)  # forgotten by `hierspec calibrate --retime-kernels`
+    finally:
+        path.unlink(missing_ok=True)
+        dense_kernel.timed_dense_choice.cache_clear()
+    assert dense_kernel.choose_dense_kernel({"onednn": [1.0, 2.0], "dots": [1.0, 2.0]}) == "onednn"  # a tie
+    monkeypatch.setattr(dense_kernel, "dots_reason", lambda: "this CPU has no AVX512-BF16")
+    assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "onednn"
+    with pytest.raises(InputError, match="no AVX512-BF16"):
+        dense_kernel.resolve_dense_kernel("dots", torch.bfloat16, 7)
+    with pytest.raises(InputError, match="unknown dense kernel"):
+        RuntimeConfig(dense_kernel="fast")

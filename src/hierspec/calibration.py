@@ -118,7 +118,13 @@ def machine_identity(target: TargetModel) -> dict:
             "hardware": hardware, "runtime": target.runtime.kind,
             "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
             "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.cache_dtype).replace("torch.", ""),
-            **_int4_kernels(target), **_requantized(target)}
+            **_int4_kernels(target), **_requantized(target), **_dense_kernel(target)}
+
+
+def _dense_kernel(target: TargetModel) -> dict:
+    """The dot products' kernel where it multiplies a float model's rows (another kernel, another curve); nothing
+    for oneDNN's (their curves' identity is unchanged)."""
+    return {"dense_kernel": "dots"} if target.runtime.dense_kernel == "dots" else {}
 
 
 def _requantized(target: TargetModel) -> dict:
@@ -147,6 +153,7 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     layers = "|compiled-exact" if ident.get("layers") == "compiled-exact" else ""
     # a float16 cache reads half the bytes per attended entry: its curves are their own
     layers += "|kv-float16" if ident.get("kv_cache") == "float16" and ident.get("dtype") != "float16" else ""
+    layers += "|dots" if ident.get("dense_kernel") == "dots" else ""
     # and every build of the compiled kernels (another source, another speed) measures its own
     build = f"|{ident['kernel_build']}" if (kernel or layers) and ident.get("kernel_build") else ""
     setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}{build}"

@@ -52,6 +52,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "expanded (the file's weights expanded; bfloat16 products where the CPU has them) or "
                             "auto (the default: vnni8 or expanded, whichever is faster here, timed once per machine "
                             "and kept; expanded where trees are verified by another kernel)")
+    group.add_argument("--dense-kernel", default="auto", choices=["auto", "onednn", "dots"],
+                       help="the products of a bfloat16 model's tree and batch rows: dots (hierspec's AVX512-BF16 "
+                            "dot products, e.g. AMD Zen 4: weights streamed without oneDNN's per-call cost), onednn "
+                            "(oneDNN's over a prepacked copy) or auto (the default: the faster here, timed once per "
+                            "machine and kept); prompts are read by oneDNN either way")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
                             "default), model (the model's dtype) or auto (the default: float16 where the compiled "
@@ -270,7 +275,8 @@ def _model_config(args: argparse.Namespace):
 
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                        runtime=args.runtime, attention=args.attention,
-                       int4_kernel=args.int4_kernel, kv_cache=args.kv_cache, prompt_kernel=args.prompt_kernel)
+                       int4_kernel=args.int4_kernel, kv_cache=args.kv_cache, prompt_kernel=args.prompt_kernel,
+                       dense_kernel=args.dense_kernel)
 
 
 def _load(args: argparse.Namespace):

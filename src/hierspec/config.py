@@ -159,6 +159,10 @@ class ModelConfig:
             integer products' packed weights, rows as two 8-bit codes an input) or ``"vnni8"`` (the same, rows as
             one 8-bit code an input: llama.cpp's activation precision, half the dot products). Every method reads the
             same prompt entries, so each stays lossless against plain decoding.
+        dense_kernel: which products multiply a bfloat16 model's tree and batch rows in the compiled layers:
+            ``"auto"`` (the faster of the two here, timed once per machine and kept), ``"onednn"`` (oneDNN's over a
+            prepacked copy) or ``"dots"`` (hierspec's AVX512-BF16 dot products, e.g. AMD Zen 4; each row's result
+            independent of the rows beside it). Prompts are read by oneDNN's products either way.
     """
 
     spec: str | None = None
@@ -173,8 +177,11 @@ class ModelConfig:
     kv_cache: str = "auto"
     requantize: str = "none"
     prompt_kernel: str = "auto"
+    dense_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dense_kernel not in {"auto", "onednn", "dots"}:
+            raise InputError(f"unknown dense kernel {self.dense_kernel!r}: use auto, onednn or dots")
         if self.prompt_kernel not in {"auto", "expanded", "vnni", "vnni8"}:
             raise InputError(f"unknown prompt kernel {self.prompt_kernel!r}: use auto, expanded, vnni or vnni8")
         if self.requantize not in {"none", "4bit"}:

@@ -279,8 +279,9 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     gguf = gguf_source(config) if config.dtype == "auto" else None
     if gguf is None:
         return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel,
-                             kv_cache=config.kv_cache)
+                             kv_cache=config.kv_cache, dense_kernel=config.dense_kernel)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
                          attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache,
-                         requantize=config.requantize, prompt_kernel=config.prompt_kernel)
+                         requantize=config.requantize, prompt_kernel=config.prompt_kernel,
+                         dense_kernel=config.dense_kernel)

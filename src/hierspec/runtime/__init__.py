@@ -35,6 +35,7 @@ from hierspec.errors import InputError
 from hierspec.runtime import attention, onednn
 from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
+from hierspec.runtime.dense_kernel import DENSE_KERNELS, resolve_dense_kernel
 from hierspec.runtime.decoder import unsupported_reason as decoder_reason
 from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.runtime.fusion import fuse_shared_inputs
@@ -113,6 +114,8 @@ class RuntimeConfig:
             load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
         prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
             ``"vnni8"`` (:mod:`~hierspec.runtime.prompt_kernel`).
+        dense_kernel: which products multiply a bfloat16 model's tree and batch rows in the compiled layers,
+            ``"auto"``, ``"onednn"`` or ``"dots"`` (:mod:`~hierspec.runtime.dense_kernel`).
     """
 
     kind: str = "auto"
@@ -125,8 +128,11 @@ class RuntimeConfig:
     kv_cache: str = "auto"
     requantize: str = "none"
     prompt_kernel: str = "auto"
+    dense_kernel: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dense_kernel not in DENSE_KERNELS:
+            raise InputError(f"unknown dense kernel {self.dense_kernel!r}: use {', '.join(DENSE_KERNELS)}")
         if self.requantize not in REQUANTIZE_CHOICES:
             raise InputError(f"unknown requantization {self.requantize!r}: use {' or '.join(REQUANTIZE_CHOICES)}")
         if self.kv_cache not in KV_CACHE_CHOICES:
@@ -163,6 +169,8 @@ class Runtime:
         #: the decoder that reads prompts where it is not :attr:`decoder` (:mod:`~hierspec.runtime.prompt_kernel`)
         self.prefill_decoder: LlamaFamilyDecoder | None = None
         self.prompt_kernel: str | None = None
+        #: the kernel of a bfloat16 or float32 model's dense products in the compiled layers (``None`` off them)
+        self.dense_kernel: str | None = None
         self._short_prompt_rows: int | None = None  # timed when first needed (short_prompt_rows)
         self.packing = None
         self.int4_kernel: Int4Kernels | None = None
@@ -177,9 +185,16 @@ class Runtime:
                                                        torch.get_num_threads())
             self.prefill_decoder = self._prompt_decoder()
         elif not use_graphs and self.config.decoder == "auto":
-            self.decoder = build_decoder(model, packed=packable, dense_dtype=self._dense_dtype(packable))
+            dense_dtype = self._dense_dtype(packable)
+            if dense_dtype is not None:
+                self.dense_kernel = resolve_dense_kernel(self.config.dense_kernel, dense_dtype,
+                                                         torch.get_num_threads())
+            self.decoder = build_decoder(model, packed=packable, dense_dtype=dense_dtype,
+                                         dense_kernel=self.dense_kernel or "onednn")
             if self.decoder is not None and self.decoder.dense_dtype is not None:
                 self.prefill_decoder = self.decoder.with_whole_products()
+            else:
+                self.dense_kernel = None
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))
@@ -298,7 +313,7 @@ class Runtime:
                 "attention": "exact" if self.exact else "sdpa",
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
-                "prompt_kernel": self.prompt_kernel,
+                "prompt_kernel": self.prompt_kernel, "dense_kernel": self.dense_kernel,
                 "short_prompt_rows": self.short_prompt_rows if self.prefill_decoder is not None else None,
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),

@@ -20,6 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_vnni8_mm", &int4_vnni8_mm,
         "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
   m.def("dense_mm", &dense_mm, "float32 rows times a weight prepacked by oneDNN, in float32");
+  m.def("dense_bf16_ready", &dense_bf16_ready, "whether the AVX512-BF16 dense products can run in this build");
+  m.def("dense_bf16_mm", &dense_bf16_mm,
+        "float32 rows times a bfloat16 weight packed in blocks of 16 outputs, by AVX512-BF16 dot products");
+  m.def("dense_members_mm", &dense_members_mm,
+        "float32 rows times members' bfloat16 weights, side by side, in float32");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
   m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");

@@ -29,7 +29,8 @@ from hierspec.runtime import int4_kernel, onednn
 from hierspec.runtime.attention import additive_mask, tree_attention
 from hierspec.runtime.exact_attention import NATIVE_DTYPES, ExactPlan, exact_attention, exact_attention_blocks
 from hierspec.runtime.norm_kernel import rms_norm as compiled_rms_norm
-from hierspec.runtime.onednn import DenseStack, invariant_rows, pack_weight, packed_linear
+from hierspec.runtime.dense_kernel import BLOCK_OUTPUTS, DotsStack, dense_stack
+from hierspec.runtime.onednn import pack_weight, packed_linear
 from hierspec.runtime.packed_store import PackedStore
 from hierspec.runtime.quantized import CachedWeights, Int4Kernels, Int4Projection, Int4Weight, pack_stacks
 from hierspec.runtime.slots import (SlotBatch, SlotPool, SlotWrites, finish_slot_batch, plan_slot_batch,
@@ -160,7 +161,8 @@ class LlamaFamilyDecoder:
     def __init__(self, model: nn.Module, packed: bool,
                  quantized: Mapping[str, Sequence[Int4Weight]] | None = None,
                  product_dtype: torch.dtype | None = None, int4_kernel: Int4Kernels | None = None,
-                 packs: PackedStore | None = None, dense_dtype: torch.dtype | None = None) -> None:
+                 packs: PackedStore | None = None, dense_dtype: torch.dtype | None = None,
+                 dense_kernel: str = "onednn") -> None:
         inner = model.model
         config = model.config
         attention = inner.layers[0].self_attn
@@ -177,6 +179,7 @@ class LlamaFamilyDecoder:
         if dense_dtype is not None:  # the compiled layers' rows are float32 whatever the weights' dtype
             self.embedding = self.embedding.float()
         self._dense_dtype = dense_dtype
+        self._dense_kernel = dense_kernel
         self.final_norm = _float_weight(inner.norm.weight, dense_dtype)
         # a prompt's attention runs in the products' dtype (bfloat16 halves its time where the CPU computes it)
         self._prompt_dtype = product_dtype or self.embedding.dtype
@@ -187,7 +190,8 @@ class LlamaFamilyDecoder:
 
         def projection(*linears: nn.Module, copy: bool = True, narrow: bool = False) -> Projection | Int4Projection:
             if dense_dtype is not None:
-                return _dense_projection([m.weight for m in linears], [m.bias for m in linears], dense_dtype)
+                return _dense_projection([m.weight for m in linears], [m.bias for m in linears], dense_dtype,
+                                         dense_kernel)
             if quantized is None:
                 return Projection(linears, packed, product_dtype if copy else None, narrow_output=narrow)
             stacks = store.stacks("+".join(names[m] for m in linears), lambda: pack_stacks(
@@ -259,8 +263,13 @@ class LlamaFamilyDecoder:
         of those tokens, in the same form as the whole head (each logit the same arithmetic as the whole head's)."""
         head, passes_of, kernels = self._head_source
         bias = None if head.bias is None else head.bias.detach()[tokens]
+        if self._dense_dtype is not None and isinstance(self.lm_head.stacks[0], DotsStack):
+            # the dot products' layout holds whole blocks of 16 outputs, as the int4 layouts do
+            padded = torch.cat((tokens, tokens[-1:].expand(-tokens.numel() % BLOCK_OUTPUTS)))
+            return _FirstColumns(_dense_projection([head.weight[padded]], [None if bias is None else head.bias.detach()[
+                padded]], self._dense_dtype, self._dense_kernel), tokens.numel())
         if self._dense_dtype is not None:
-            return _dense_projection([head.weight[tokens]], [bias], self._dense_dtype)
+            return _dense_projection([head.weight[tokens]], [bias], self._dense_dtype, "onednn")
         passes = None if passes_of is None else passes_of()
         if passes is None:
             return Projection([_Rows(head.weight.detach()[tokens], bias)], packed=False)
@@ -660,24 +669,24 @@ def build_decoder(model: nn.Module, packed: bool,
                   product_dtype: torch.dtype | None = None,
                   int4_kernel: Int4Kernels | None = None,
                   packs: PackedStore | None = None,
-                  dense_dtype: torch.dtype | None = None) -> LlamaFamilyDecoder | None:
+                  dense_dtype: torch.dtype | None = None, dense_kernel: str = "onednn") -> LlamaFamilyDecoder | None:
     """The owned forward for ``model`` (its linears from ``quantized`` passes where given, or their products in
-    ``product_dtype`` — see :class:`Projection`, or the compiled layers over its weights prepacked in
-    ``dense_dtype`` — see :func:`_dense_projection`), or ``None`` (with the reason logged) where transformers' modules
-    must run."""
+    ``product_dtype`` — see :class:`Projection`, or the compiled layers over its weights packed in ``dense_dtype``
+    for ``dense_kernel`` — see :func:`_dense_projection`), or ``None`` (with the reason logged) where transformers'
+    modules must run."""
     reason = unsupported_reason(model)
     if reason is not None:
         log.info("transformers' decoder modules run: %s", reason)
         return None
-    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel, packs, dense_dtype)
+    return LlamaFamilyDecoder(model, packed, quantized, product_dtype, int4_kernel, packs, dense_dtype, dense_kernel)
 
 
 def _dense_projection(weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None],
-                      dtype: torch.dtype) -> Int4Projection:
-    """Linears of float weights as the compiled layers multiply them: one stack of the weights prepacked in
-    ``dtype`` (:class:`~hierspec.runtime.onednn.DenseStack`), float32 rows and outputs, float32 biases added."""
-    stack = DenseStack(pack_weight(_stacked([w.detach() for w in weights], dtype)),
-                       invariant_rows(dtype, sum(w.shape[0] for w in weights), weights[0].shape[1]))
+                      dtype: torch.dtype, kernel: str = "onednn") -> Int4Projection:
+    """Linears of float weights as the compiled layers multiply them: one stack of the weights in ``dtype``, packed
+    for ``kernel`` (:func:`~hierspec.runtime.dense_kernel.dense_stack`: oneDNN's prepacked copy, or the dot
+    products' where they fit), float32 rows and outputs, float32 biases added."""
+    stack = dense_stack(weights, _stacked([w.detach() for w in weights], dtype), kernel)
     return Int4Projection(None, biases, widths=[w.shape[0] for w in weights], stacks=[stack])
 
 

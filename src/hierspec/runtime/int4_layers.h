@@ -27,6 +27,11 @@ at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at:
 // dense_onednn.cpp: float32 rows times a weight prepacked by oneDNN (bfloat16 or float32), in float32, at most
 // rows_per_call rows a call where it is positive
 at::Tensor dense_mm(const at::Tensor& rows, const at::Tensor& packed, int64_t rows_per_call);
+// dense_bf16.cpp: float32 rows times a bfloat16 weight packed [N / 16, K / 2, 16, 2] by AVX512-BF16 dot products
+// (each row's result independent of the rows beside it), and a prompt's rows times the members' own weights
+bool dense_bf16_ready();
+at::Tensor dense_bf16_mm(const at::Tensor& rows, const at::Tensor& weight);
+at::Tensor dense_members_mm(const at::Tensor& rows, const std::vector<at::Tensor>& members);
 
 // int4_blocks.cpp
 // rows times a projection's stacks side by side (each stack's kernel told by its codes), plus its bias where given

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +127,10 @@ class DenseStack:
             return packed_linear(inputs.contiguous(), self.weight, None).float()
         return torch.cat([packed_linear(part.contiguous(), self.weight, None) for part in inputs.tensor_split(calls)]
                          ).float()
+
+    def whole(self) -> DenseStack:
+        """The stack that reads prompts: the same prepacked weight, any number of rows in one call."""
+        return replace(self, rows_per_call=0)
 
     @property
     def native(self) -> list[torch.Tensor]:

@@ -35,6 +35,7 @@ from torch import nn
 from hierspec.errors import InputError
 from hierspec.runtime import int4_kernel, onednn
 from hierspec.runtime.decoder import Projection
+from hierspec.runtime.dense_kernel import dense_choice_path
 from hierspec.runtime.quantized import GROUP, INTEGER_KERNELS, Int4Kernels, Int4Projection, Int4Weight
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,10 @@ def timed_prompt_choice(threads: int) -> str:
 
 def kept_choices(threads: int) -> list[Path]:
     """Every timed choice kept beside the compiled kernel for ``threads`` threads: the int4 kernels', the prompt
-    products' and each model shape's short-prompt crossover."""
+    products', the dense products' (:mod:`~hierspec.runtime.dense_kernel`) and each model shape's short-prompt
+    crossover."""
     crossovers = short_prompt_path("*", threads)
-    found = [int4_kernel.choice_path(threads), prompt_choice_path(threads)]
+    found = [int4_kernel.choice_path(threads), prompt_choice_path(threads), dense_choice_path(threads)]
     found += sorted(crossovers.parent.glob(crossovers.name))
     return [path for path in found if path.is_file()]
 

@@ -48,7 +48,7 @@ import torch
 
 from hierspec import checksums
 from hierspec.runtime import int4_kernel
-from hierspec.runtime.onednn import DenseStack
+from hierspec.runtime.dense_kernel import DENSE_STACKS
 from hierspec.storage import write_file_atomic
 
 log = logging.getLogger(__name__)
@@ -405,8 +405,9 @@ class Int4Projection:
         #: ``[int8 codes, scales]``, ``[3-D uint8 codes, scales, bias]``, the AMX ``[4-D codes, scales, bias]``, the
         #: AVX512-BF16 ``[5-D codes, scales, bias]``, the integer ``[6-D codes, scales, bias, units]`` (a fifth,
         #: empty tensor: rows as one 8-bit code an input), PyTorch's ``[packed, table]`` per pass or a dense weight
-        #: prepacked by oneDNN ``[weight]`` or ``[weight, rows a call]``
-        self.native = [stack.native if isinstance(stack, DenseStack)
+        #: prepacked by oneDNN ``[weight]`` or ``[weight, rows a call]``, a bfloat16 weight packed for the dot products
+        #: ``[weight]`` (4-D) or a prompt's members' own bfloat16 weights
+        self.native = [stack.native if isinstance(stack, DENSE_STACKS)
                        else [stack.codes, stack.scales] if isinstance(stack, int4_kernel.PackedInt8)
                        else [stack.codes, stack.scales, stack.bias, stack.units] + (
                            [torch.empty(0)] if stack.one_code else [])
@@ -427,11 +428,11 @@ class Int4Projection:
 
     def with_whole_products(self) -> Int4Projection:
         """This projection with every dense stack multiplying any number of rows in one call (a prompt's rows, which
-        every method reads alike): the same prepacked weights, shared; other stacks unchanged."""
+        every method reads alike): oneDNN's the same prepacked weights, the dot products' the members' own weights, both
+        shared; other stacks unchanged."""
         view = copy.copy(self)
-        view.stacks = [replace(stack, rows_per_call=0) if isinstance(stack, DenseStack) else stack
-                       for stack in self.stacks]
-        view.native = [stack.native if isinstance(stack, DenseStack) else tensors
+        view.stacks = [stack.whole() if isinstance(stack, DENSE_STACKS) else stack for stack in self.stacks]
+        view.native = [stack.native if isinstance(stack, DENSE_STACKS) else tensors
                        for stack, tensors in zip(view.stacks, self.native)]
         return view
 
@@ -486,7 +487,7 @@ def _stacked_factors(factors: Sequence[ScaleFactors | None]) -> ScaleFactors | N
 
 
 def _product(rows: torch.Tensor, stack) -> torch.Tensor:
-    if isinstance(stack, DenseStack):
+    if isinstance(stack, DENSE_STACKS):
         return stack(rows)
     if isinstance(stack, _COMPILED_LAYOUTS):
         module, _ = int4_kernel.compiled_kernel()
