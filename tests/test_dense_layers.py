@@ -237,30 +237,71 @@ def test_a_dots_kernels_prompts_are_read_by_the_members_own_weights_in_whole_pro
     assert isinstance(target.runtime.prefill_decoder.layers[0].qkv.stacks[0], dense_kernel.MembersStack)
 
 
-def test_the_dense_kernel_is_chosen_by_timing_once_and_kept(monkeypatch):
+def test_the_dense_kernel_is_chosen_by_timing_once_per_dtype_and_kept(monkeypatch):
     timed = []
-    monkeypatch.setattr(dense_kernel, "dots_reason", lambda: None)
-    monkeypatch.setattr(dense_kernel, "time_dense_products",
-                        lambda: timed.append(1) or {"onednn": [3e-3, 5e-3], "dots": [2e-3, 5.5e-3]})
+    monkeypatch.setattr(dense_kernel, "dots_reason", lambda dtype: None)
+    monkeypatch.setattr(dense_kernel, "time_dense_products", lambda dtype: timed.append(dtype) or (
+        {"onednn": [3e-3, 5e-3], "dots": [2e-3, 5.5e-3]} if dtype == torch.bfloat16 else
+        {"onednn": [3e-3, 5e-3], "dots": [2.5e-3, 6e-3]}))
     dense_kernel.timed_dense_choice.cache_clear()
-    path = dense_kernel.dense_choice_path(7)
-    path.unlink(missing_ok=True)
+    paths = [dense_kernel.dense_choice_path(7, dtype) for dtype in ("bfloat16", "float32")]
     try:
-        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots" and path.is_file()
+        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots" and paths[0].is_file()
+        assert dense_kernel.resolve_dense_kernel("auto", torch.float32, 7) == "onednn" and paths[1].is_file()
         dense_kernel.timed_dense_choice.cache_clear()
-        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots" and timed == [1]  # kept
+        assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "dots"
         assert dense_kernel.resolve_dense_kernel("auto", torch.float32, 7) == "onednn"
+        assert timed == [torch.bfloat16, torch.float32]  # kept, not timed again
         assert dense_kernel.resolve_dense_kernel("onednn", torch.bfloat16, 7) == "onednn"
+        assert dense_kernel.resolve_dense_kernel("dots", torch.float32, 7) == "dots"
         from hierspec.runtime import prompt_kernel
 
-        assert path in prompt_kernel.kept_choices(7)  # forgotten by `hierspec calibrate --retime-kernels`
+        assert set(paths) <= set(prompt_kernel.kept_choices(7))  # forgotten by `hierspec calibrate --retime-kernels`
     finally:
-        path.unlink(missing_ok=True)
+        for path in paths:
+            path.unlink(missing_ok=True)
         dense_kernel.timed_dense_choice.cache_clear()
     assert dense_kernel.choose_dense_kernel({"onednn": [1.0, 2.0], "dots": [1.0, 2.0]}) == "onednn"  # a tie
-    monkeypatch.setattr(dense_kernel, "dots_reason", lambda: "this CPU has no AVX512-BF16")
+    monkeypatch.setattr(dense_kernel, "dots_reason", lambda dtype: "this CPU has no AVX512-BF16")
     assert dense_kernel.resolve_dense_kernel("auto", torch.bfloat16, 7) == "onednn"
     with pytest.raises(InputError, match="no AVX512-BF16"):
         dense_kernel.resolve_dense_kernel("dots", torch.bfloat16, 7)
     with pytest.raises(InputError, match="unknown dense kernel"):
         RuntimeConfig(dense_kernel="fast")
+
+
+@needs_module
+def test_each_rows_float32_products_are_the_same_whatever_rows_travel_with_it():
+    """The float32 layout and kernel: every row of 1..30 rows bit for bit, on one thread too; within float32
+    rounding of the float64 product."""
+    weight = torch.randn(80, 40, generator=GENERATOR)  # 5 blocks: a pass of 4 (2 with AVX2) and the rest
+    packed = dense_kernel.pack_dots(weight)
+    assert packed.shape == (5, 40, 16) and packed[2, 7, 3] == weight[35, 7]
+    rows = torch.randn(30, 40, generator=GENERATOR)
+    whole = MODULE.dense_f32_mm(rows, packed)
+    torch.testing.assert_close(whole.double(), rows.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+    for count in range(1, 31):
+        assert torch.equal(MODULE.dense_f32_mm(rows[:count], packed), whole[:count]), count
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(MODULE.dense_f32_mm(rows[5:9], packed), whole[5:9])
+    finally:
+        torch.set_num_threads(threads)
+    stack = dense_kernel.dense_stack([weight], weight, "dots")
+    assert isinstance(stack, dense_kernel.DotsStack) and torch.equal(stack(rows), whole)
+    assert torch.equal(stack.whole()(rows), torch.nn.functional.linear(rows, weight))
+
+
+@needs_module
+@pytest.mark.parametrize("kernel", ["onednn", "dots"])
+def test_a_float32_models_tree_rows_equal_plain_decoding_on_either_kernel(kernel):
+    if onednn.probe(torch.float32) is not None:
+        pytest.skip(onednn.probe(torch.float32))
+    model = make_model("qwen2", vocab_size=96, seed=12, dtype=torch.float32, hidden=64)
+    target = TargetModel(model, make_tokenizer(96), name="tiny-qwen2-f32", runtime=RuntimeConfig(dense_kernel=kernel))
+    assert target.runtime.dense_kernel == kernel
+    stack = target.runtime.decoder.layers[0].gate_up.stacks[0]
+    assert isinstance(stack, dense_kernel.DotsStack if kernel == "dots" else onednn.DenseStack)
+    assert_chain_equals_steps(target, [3, 14, 15, 9, 26, 5, 35], [(5 * i + 2) % 95 + 1 for i in range(40)])
+    assert_tree_rows_equal_chains(target, trees=3)

@@ -53,10 +53,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "auto (the default: vnni8 or expanded, whichever is faster here, timed once per machine "
                             "and kept; expanded where trees are verified by another kernel)")
     group.add_argument("--dense-kernel", default="auto", choices=["auto", "onednn", "dots"],
-                       help="the products of a bfloat16 model's tree and batch rows: dots (hierspec's AVX512-BF16 "
-                            "dot products, e.g. AMD Zen 4: weights streamed without oneDNN's per-call cost), onednn "
-                            "(oneDNN's over a prepacked copy) or auto (the default: the faster here, timed once per "
-                            "machine and kept); prompts are read by oneDNN either way")
+                       help="the products of a bfloat16 or float32 model's tree and batch rows: dots (hierspec's "
+                            "own, weights packed in blocks of 16 outputs and streamed without oneDNN's per-call cost: "
+                            "AVX512-BF16 dot products for bfloat16, e.g. AMD Zen 4; fused multiply-adds for float32), "
+                            "onednn (oneDNN's over a prepacked copy) or auto (the default: the faster here, timed once "
+                            "per machine and dtype and kept); prompts are read by oneDNN either way")
     group.add_argument("--kv-cache", default="auto", choices=["auto", "model", "float16"],
                        help="KV-cache storage: float16 (half the bytes read per attended token; llama.cpp's "
                             "default), model (the model's dtype) or auto (the default: float16 where the compiled "

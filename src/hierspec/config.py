@@ -159,10 +159,11 @@ class ModelConfig:
             integer products' packed weights, rows as two 8-bit codes an input) or ``"vnni8"`` (the same, rows as
             one 8-bit code an input: llama.cpp's activation precision, half the dot products). Every method reads the
             same prompt entries, so each stays lossless against plain decoding.
-        dense_kernel: which products multiply a bfloat16 model's tree and batch rows in the compiled layers:
-            ``"auto"`` (the faster of the two here, timed once per machine and kept), ``"onednn"`` (oneDNN's over a
-            prepacked copy) or ``"dots"`` (hierspec's AVX512-BF16 dot products, e.g. AMD Zen 4; each row's result
-            independent of the rows beside it). Prompts are read by oneDNN's products either way.
+        dense_kernel: which products multiply a bfloat16 or float32 model's tree and batch rows in the compiled
+            layers: ``"auto"`` (the faster of the two here, timed once per machine and dtype and kept), ``"onednn"``
+            (oneDNN's over a prepacked copy) or ``"dots"`` (hierspec's own over a copy packed in blocks of 16
+            outputs: AVX512-BF16 dot products for bfloat16, e.g. AMD Zen 4; fused multiply-adds for float32; each
+            row's result independent of the rows beside it). Prompts are read by oneDNN's products either way.
     """
 
     spec: str | None = None

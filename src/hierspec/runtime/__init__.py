@@ -114,7 +114,7 @@ class RuntimeConfig:
             load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
         prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
             ``"vnni8"`` (:mod:`~hierspec.runtime.prompt_kernel`).
-        dense_kernel: which products multiply a bfloat16 model's tree and batch rows in the compiled layers,
+        dense_kernel: which products multiply a bfloat16 or float32 model's tree and batch rows in the compiled layers,
             ``"auto"``, ``"onednn"`` or ``"dots"`` (:mod:`~hierspec.runtime.dense_kernel`).
     """
 

@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_bf16_ready", &dense_bf16_ready, "whether the AVX512-BF16 dense products can run in this build");
   m.def("dense_bf16_mm", &dense_bf16_mm,
         "float32 rows times a bfloat16 weight packed in blocks of 16 outputs, by AVX512-BF16 dot products");
+  m.def("dense_f32_mm", &dense_f32_mm, "float32 rows times a float32 weight packed in blocks of 16 outputs");
   m.def("dense_members_mm", &dense_members_mm,
         "float32 rows times members' bfloat16 weights, side by side, in float32");
   m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");

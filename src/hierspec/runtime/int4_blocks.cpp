@@ -41,13 +41,16 @@ using hierspec_int4::vf;
 // units} (rows as two 8-bit codes an input; with a fifth, empty tensor: as one), the AVX512-BF16 products {5-D
 // codes, scales, bias}, the AMX products {4-D codes, scales, bias}, the compiled 8-bit product {int8 codes, scales},
 // the compiled 4-bit one {uint8 codes [P, N, K / 2], scales, bias}, or PyTorch's kernel {packed [N, K / 2], table}
-// per pass; or a dense weight prepacked by oneDNN {weight} or {weight, rows a call}, a bfloat16 weight packed for
-// the dots kernel {weight} or a prompt's members' own bfloat16 weights {w_1, ...} (a model loaded from float
+// per pass; or a dense weight prepacked by oneDNN {weight} or {weight, rows a call}, a bfloat16 or float32
+// weight packed for the dots kernel {weight} or a prompt's members' own weights {w_1, ...} (a model loaded from float
 // weights).
 at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& stack) {
   if (stack[0].is_mkldnn()) return dense_mm(rows, stack[0], stack.size() > 1 ? stack[1].item<int64_t>() : 0);
-  if (stack[0].scalar_type() == at::kBFloat16) {  // the dots kernel's packed weight, or its prompts' members
-    return stack[0].dim() == 4 ? dense_bf16_mm(rows.contiguous(), stack[0]) : dense_members_mm(rows, stack);
+  if (stack[0].scalar_type() == at::kBFloat16 || stack[0].scalar_type() == at::kFloat) {
+    // the dots kernel's packed weight (bfloat16 4-D, float32 3-D), or its prompts' members' own weights (2-D)
+    if (stack[0].dim() == 4) return dense_bf16_mm(rows.contiguous(), stack[0]);
+    if (stack[0].dim() == 3) return dense_f32_mm(rows.contiguous(), stack[0]);
+    return dense_members_mm(rows, stack);
   }
   if (stack[0].dim() == 6)
     return (stack.size() == 5 ? int4_vnni8_mm : int4_vnni_mm)(rows.contiguous(), stack[0], stack[1], stack[2],

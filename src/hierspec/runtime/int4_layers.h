@@ -32,6 +32,8 @@ at::Tensor dense_mm(const at::Tensor& rows, const at::Tensor& packed, int64_t ro
 bool dense_bf16_ready();
 at::Tensor dense_bf16_mm(const at::Tensor& rows, const at::Tensor& weight);
 at::Tensor dense_members_mm(const at::Tensor& rows, const std::vector<at::Tensor>& members);
+// dense_f32.cpp: float32 rows times a float32 weight packed [N / 16, K, 16] by fused multiply-adds (the same)
+at::Tensor dense_f32_mm(const at::Tensor& rows, const at::Tensor& weight);
 
 // int4_blocks.cpp
 // rows times a projection's stacks side by side (each stack's kernel told by its codes), plus its bias where given

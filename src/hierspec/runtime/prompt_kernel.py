@@ -98,7 +98,8 @@ def kept_choices(threads: int) -> list[Path]:
     products', the dense products' (:mod:`~hierspec.runtime.dense_kernel`) and each model shape's short-prompt
     crossover."""
     crossovers = short_prompt_path("*", threads)
-    found = [int4_kernel.choice_path(threads), prompt_choice_path(threads), dense_choice_path(threads)]
+    found = [int4_kernel.choice_path(threads), prompt_choice_path(threads)]
+    found += [dense_choice_path(threads, dtype) for dtype in ("bfloat16", "float32")]
     found += sorted(crossovers.parent.glob(crossovers.name))
     return [path for path in found if path.is_file()]
 
