@@ -2,7 +2,8 @@
 with ``-march=haswell`` where this CPU's own build is the AVX-512 one (a Zen 4, a Xeon; elsewhere this CPU's build is
 the AVX2 one), it must give the float64 model's products and, bit for bit, those of the extension hierspec builds for
 this CPU, for 4-bit and 8-bit codes (and the 6-bit form against the same codes in 8 bits), stored and
-factored scales and any number of rows."""
+factored scales and any number of rows. The float32 dense products (``dense_f32.cpp``) are built with them and
+compared the same way."""
 
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hierspec.machine import cpuinfo_fields
 from hierspec.runtime import int4_kernel as k
 
 SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(k.__file__).with_name("int4_vnni8.cpp"),
-           Path(__file__).with_name("native") / "vnni_products.cpp"]
+           Path(k.__file__).with_name("dense_f32.cpp"), Path(__file__).with_name("native") / "vnni_products.cpp"]
 MODULE, REASON = k.compiled_kernel()
 
 
@@ -151,3 +152,18 @@ def test_this_cpus_build_has_the_integer_products_its_flags_allow():
         assert MODULE.vnni_width() == 256
     else:
         assert MODULE.vnni_width() == 0 and not MODULE.vnni_ready()
+
+
+def test_the_avx2_build_of_the_float32_dense_products_equals_this_cpus_build(avx2):
+    """``dense_f32.cpp``'s AVX2 passes (2 blocks x 2 rows) against this CPU's build (4 x 6 with AVX-512): each output
+    is the same fused multiply-adds in input order, so every row's result is the same bits, whatever the row count."""
+    from hierspec.runtime.dense_kernel import pack_dots
+
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(112, 72, generator=generator)  # 7 blocks: whole passes and a rest on either build
+    packed = pack_dots(weight)
+    rows = torch.randn(13, 72, generator=generator)
+    ours = MODULE.dense_f32_mm(rows, packed)
+    torch.testing.assert_close(ours.double(), rows.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
+    for count in (1, 2, 3, 7, 13):
+        assert torch.equal(avx2.dense_f32_mm(rows[:count], packed), ours[:count]), count
