@@ -258,9 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="timed rounds, each forward paired with a one-token one (medians of the ratios)")
     calibrate.add_argument("--out", default=None, help="file to write (default: the cache location drafters read)")
     calibrate.add_argument("--retime-kernels", action="store_true",
-                           help="time the int4 path's kernel choices again before measuring (they are kept from "
-                                "the first load on this machine; run it when nothing else is busy — outputs may "
-                                "change in their last bits, every method's alike)")
+                           help="time the kernel choices again before measuring (the int4 path's and the float "
+                                "models' dense products; they are kept from the first load on this machine; run it "
+                                "when nothing else is busy — outputs may change in their last bits, every method's "
+                                "alike)")
 
     demo = sub.add_parser("demo", help="plain vs speculative decoding side by side on the default model")
     _add_model_options(demo)
@@ -379,18 +380,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from hierspec.runtime import prompt_kernel
 
         removed = prompt_kernel.forget_choices(args.threads or torch.get_num_threads())
-        print(f"timing the int4 path's kernel choices again ({len(removed)} kept choice(s) removed)")
+        print(f"timing the kernel choices again ({len(removed)} kept choice(s) removed)")
     model = _load(args)
     if args.retime_kernels and model.runtime.int4_kernel is not None:
         print(f"int4 products: {model.runtime.int4_kernel.four_bit} (4-bit), {model.runtime.int4_kernel.eight_bit} "
               f"(8-bit); prompts: {model.runtime.prompt_kernel}")
+    if args.retime_kernels and model.runtime.dense_kernel is not None:
+        print(f"{str(model.dtype).removeprefix('torch.')} products: {model.runtime.dense_kernel}")
     sizes = tuple(k for k in DEFAULT_SIZES if k <= args.max_tokens) or (1,)
     curve = measure_cost_curve(model, sizes, args.context, args.repeats, long_context=args.long_context)
     path = default_curve_path(model, args.out)
     save_curve(curve, path)
     ident = curve.identity
+    products = f", {model.runtime.dense_kernel} products" if model.runtime.dense_kernel else ""
     print(f"{ident['model']} on {ident['hardware']}, {ident['dtype']}, {ident['threads']} threads, runtime "
-          f"{ident['runtime']} with {ident['decoder']}'s decoder")
+          f"{ident['runtime']} with {ident['decoder']}'s decoder{products}")
     heads = ["tree tokens", f"ms over {curve.context} tokens" if curve.long_ms else "ms", "ms per token"]
     heads += [f"ms over {curve.long_context} tokens"] if curve.long_ms else []
     print("| " + " | ".join(heads) + " |\n|" + "---:|" * len(heads))
