@@ -143,7 +143,12 @@ def _int4_kernels(target: TargetModel) -> dict:
 
 def default_curve_path(target: TargetModel, root: str | Path | None = None) -> Path:
     """Where the cost curve of this model on this machine setting lives."""
-    ident = machine_identity(target)
+    name = _curve_name(machine_identity(target))
+    return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name
+
+
+def _curve_name(ident: dict) -> str:
+    """The file name of the curve of a :func:`machine_identity`."""
     model = hashlib.sha256(ident["model"].encode()).hexdigest()[:8]
     # curves with hierspec's own int4 kernels are their own; PyTorch's kernel keeps the name its curves always had
     four, eight = ident.get("int4_kernel"), ident.get("int8_kernel")
@@ -158,9 +163,8 @@ def default_curve_path(target: TargetModel, root: str | Path | None = None) -> P
     build = f"|{ident['kernel_build']}" if (kernel or layers) and ident.get("kernel_build") else ""
     setting = f"{ident['hardware']}|{ident['runtime']}|{ident['decoder']}{kernel}{layers}{build}"
     setting = hashlib.sha256(setting.encode()).hexdigest()[:8]
-    name = (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
+    return (f"{ident['tokenizer']}-{model}-{ident['device'].replace(':', '')}-{ident['dtype']}-t{ident['threads']}"
             f"-{setting}.json")
-    return Path(root) if root and Path(root).suffix == ".json" else Path(root or user_cache_dir() / "calibration") / name
 
 
 def _prefilled(target: TargetModel, ids: list[int], capacity: int) -> tuple[object, int]:
@@ -297,7 +301,11 @@ RATIO_VERSION = 1
 def default_ratio_path(model: TargetModel, reference: TargetModel, root: str | Path | None = None) -> Path:
     """Where the paired cost ratio of ``model`` against ``reference`` on this machine setting lives: beside the
     curves, named for both models' curve files (another model, dtype, thread count, CPU or kernel, another file)."""
-    names = f"{default_curve_path(model).name}|{default_curve_path(reference).name}"
+    return _ratio_path(machine_identity(model), machine_identity(reference), root)
+
+
+def _ratio_path(model: dict, reference: dict, root: str | Path | None = None) -> Path:
+    names = f"{_curve_name(model)}|{_curve_name(reference)}"
     name = f"ratio-{hashlib.sha256(names.encode()).hexdigest()[:16]}.json"
     return Path(root or user_cache_dir() / "calibration") / name
 
@@ -308,8 +316,8 @@ def saved_paired_cost_ratio(model: TargetModel, reference: TargetModel, path: Pa
     forwards timed in pairs does not carry the machine's speed of its moment, as a saved curve's milliseconds do, so
     a saved one serves later processes; one saved for other models or settings, damaged or unreadable is measured
     again, and a ratio that cannot be saved serves this process only."""
-    path = path or default_ratio_path(model, reference)
     identities = {"model": machine_identity(model), "reference": machine_identity(reference)}
+    path = path or _ratio_path(identities["model"], identities["reference"])
     saved = _read_ratio(path, identities)
     if saved is not None:
         return saved

@@ -185,16 +185,15 @@ class Runtime:
                                                        torch.get_num_threads())
             self.prefill_decoder = self._prompt_decoder()
         elif not use_graphs and self.config.decoder == "auto":
-            dense_dtype = self._dense_dtype(packable)
+            # the dense kernel is resolved (perhaps timed) only where the owned decoder will multiply with it
+            dense_dtype = self._dense_dtype(packable) if decoder_reason(model) is None else None
             if dense_dtype is not None:
                 self.dense_kernel = resolve_dense_kernel(self.config.dense_kernel, dense_dtype,
                                                          torch.get_num_threads())
             self.decoder = build_decoder(model, packed=packable, dense_dtype=dense_dtype,
                                          dense_kernel=self.dense_kernel or "onednn")
-            if self.decoder is not None and self.decoder.dense_dtype is not None:
+            if dense_dtype is not None:
                 self.prefill_decoder = self.decoder.with_whole_products()
-            else:
-                self.dense_kernel = None
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))

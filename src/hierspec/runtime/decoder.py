@@ -262,22 +262,20 @@ class LlamaFamilyDecoder:
         """A head computing only the logits of ``tokens`` (int64 ids), in their order: the output embedding's rows
         of those tokens, in the same form as the whole head (each logit the same arithmetic as the whole head's)."""
         head, passes_of, kernels = self._head_source
-        bias = None if head.bias is None else head.bias.detach()[tokens]
-        if self._dense_dtype is not None and isinstance(self.lm_head.stacks[0], DotsStack):
-            # the dot products' layout holds whole blocks of 16 outputs, as the int4 layouts do
-            padded = torch.cat((tokens, tokens[-1:].expand(-tokens.numel() % BLOCK_OUTPUTS)))
-            return _FirstColumns(_dense_projection([head.weight[padded]], [None if bias is None else head.bias.detach()[
-                padded]], self._dense_dtype, self._dense_kernel), tokens.numel())
+        bias = None if head.bias is None else head.bias.detach()
         if self._dense_dtype is not None:
-            return _dense_projection([head.weight[tokens]], [bias], self._dense_dtype, "onednn")
+            if not isinstance(self.lm_head.stacks[0], DotsStack):  # oneDNN's, as the whole head (whatever its shape)
+                return _dense_projection([head.weight[tokens]], [_rows_of(bias, tokens)], self._dense_dtype, "onednn")
+            padded = _whole_blocks(tokens, BLOCK_OUTPUTS)
+            return _FirstColumns(_dense_projection([head.weight[padded]], [_rows_of(bias, padded)], self._dense_dtype,
+                                                   self._dense_kernel), tokens.numel())
         passes = None if passes_of is None else passes_of()
         if passes is None:
-            return Projection([_Rows(head.weight.detach()[tokens], bias)], packed=False)
-        # the int4 layouts hold whole blocks of 16 outputs: the last token's row repeats up to one, then is cut off
-        padded = torch.cat((tokens, tokens[-1:].expand(-tokens.numel() % INT4_OUTPUT_BLOCK)))
+            return Projection([_Rows(head.weight.detach()[tokens], _rows_of(bias, tokens))], packed=False)
+        padded = _whole_blocks(tokens, INT4_OUTPUT_BLOCK)
         return _FirstColumns(Int4Projection([[weight.take_rows(padded) for weight in passes]],
-                                            [None if bias is None else bias[padded]],
-                                            kernels.four_bit, kernels.eight_bit), tokens.numel())
+                                            [_rows_of(bias, padded)], kernels.four_bit, kernels.eight_bit),
+                             tokens.numel())
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache,
                 keep: slice | torch.Tensor, want_hidden: bool = False, exact: bool = False, want_logits: bool = True,
@@ -688,6 +686,16 @@ def _dense_projection(weights: Sequence[torch.Tensor], biases: Sequence[torch.Te
     products' where they fit), float32 rows and outputs, float32 biases added."""
     stack = dense_stack(weights, _stacked([w.detach() for w in weights], dtype), kernel)
     return Int4Projection(None, biases, widths=[w.shape[0] for w in weights], stacks=[stack])
+
+
+def _whole_blocks(tokens: torch.Tensor, block: int) -> torch.Tensor:
+    """``tokens`` with the last one repeated up to a whole number of ``block`` outputs (the int4 layouts and the dot
+    products' hold whole blocks of 16; the repeats' columns are cut off again)."""
+    return torch.cat((tokens, tokens[-1:].expand(-tokens.numel() % block)))
+
+
+def _rows_of(bias: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias[tokens]
 
 
 def _float_weight(weight: torch.Tensor, dense_dtype: torch.dtype | None) -> torch.Tensor:

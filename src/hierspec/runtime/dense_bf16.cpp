@@ -28,11 +28,14 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_tiles.h"
 
 namespace {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HIERSPEC_DENSE_BF16 1
+
+using hierspec_tiles::rounded_rows;
 
 constexpr int64_t kBlock = 16;    // outputs of a block: one float32 vector
 constexpr int kBlocksPerPass = 4;  // blocks multiplied together: 4 independent chains even for one row
@@ -88,15 +91,6 @@ void blocks_range(const Dots& d, int64_t begin, int64_t end) {
     case 2: blocks_all_rows<2>(d, b); break;
     case 1: blocks_all_rows<1>(d, b); break;
     default: break;
-  }
-}
-
-// float32 rows as bfloat16, rounded to nearest even (K a multiple of 32)
-void rounded_rows(const float* x, int64_t count, std::vector<uint16_t>& rows) {
-  rows.resize(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; i += 32) {
-    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    std::memcpy(rows.data() + i, &pair, sizeof pair);
   }
 }
 

@@ -93,9 +93,7 @@ class DotsStack:
     prompt: MembersStack
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        module, _ = int4_kernel.compiled_kernel()
-        product = module.dense_f32_mm if self.weight.dtype == torch.float32 else module.dense_bf16_mm
-        return product(rows.to(torch.float32).contiguous(), self.weight)
+        return _dots_product(self.weight.dtype)(rows.to(torch.float32).contiguous(), self.weight)
 
     @property
     def native(self) -> list[torch.Tensor]:
@@ -105,6 +103,12 @@ class DotsStack:
     def whole(self) -> MembersStack:
         """The stack that reads prompts (any number of rows in one product)."""
         return self.prompt
+
+
+def _dots_product(dtype: torch.dtype):
+    """The compiled dot products of ``dtype`` weights: ``dense_f32_mm`` or ``dense_bf16_mm``."""
+    module, _ = int4_kernel.compiled_kernel()
+    return module.dense_f32_mm if dtype == torch.float32 else module.dense_bf16_mm
 
 
 #: every stack type of the compiled layers over a model's float weights
@@ -118,7 +122,7 @@ def dense_stack(weights: Sequence[torch.Tensor], stacked: torch.Tensor, kernel: 
     :class:`~hierspec.runtime.onednn.DenseStack`."""
     outputs, inputs = stacked.shape
     if kernel == "dots" and dots_fit(outputs, inputs, stacked.dtype):
-        members = tuple(w.detach() if w.dtype == stacked.dtype else w.detach().to(stacked.dtype) for w in weights)
+        members = tuple(w.detach().to(stacked.dtype) for w in weights)  # the model's own tensors where the dtype is
         return DotsStack(pack_dots(stacked), MembersStack(members))
     return DenseStack(pack_weight(stacked), invariant_rows(stacked.dtype, outputs, inputs))
 
@@ -203,8 +207,7 @@ def time_dense_products(dtype: torch.dtype = torch.bfloat16, repeats: int = 5) -
     weights = [torch.randn(outputs, inputs, generator=generator).to(dtype) for _ in range(CHOICE_COPIES)]
     rows_per_call = invariant_rows(dtype, outputs, inputs)
     packed = {"onednn": [pack_weight(w) for w in weights], "dots": [pack_dots(w) for w in weights]}
-    dots = module.dense_f32_mm if dtype == torch.float32 else module.dense_bf16_mm
-    calls = {"onednn": lambda x, w: module.dense_mm(x, w, rows_per_call), "dots": dots}
+    calls = {"onednn": lambda x, w: module.dense_mm(x, w, rows_per_call), "dots": _dots_product(dtype)}
     rows = [torch.randn(count, inputs, generator=generator) for count in CHOICE_ROWS]
     best = {name: [float("inf")] * len(CHOICE_ROWS) for name in packed}
     for round_ in range(repeats + 1):

@@ -39,6 +39,7 @@ using hierspec_tiles::TileShape;
 
 #ifdef HIERSPEC_BF16_TILES
 using hierspec_tiles::bits;
+using hierspec_tiles::rounded_rows;
 using hierspec_tiles::Tiles;
 using hierspec_tiles::widened;
 using hierspec_tiles::with_form;
@@ -133,15 +134,6 @@ void blocks_of_outputs(const Dots<typename Form::Scale>& d, int64_t begin, int64
     const float* biases =
         d.w.bias == nullptr ? nullptr : widened(Form::bias_of(d.w, block, 0), count, bias_room.data());
     for (int j = 0; j < kPairs; ++j) pair_all_rows(form, d, block, j, scales, biases, decoded.data());
-  }
-}
-
-// float32 rows as bfloat16, rounded to nearest even (K a multiple of 32)
-void rounded_rows(const float* x, int64_t count, std::vector<uint16_t>& rows) {
-  rows.resize(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; i += 32) {
-    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    std::memcpy(rows.data() + i, &pair, sizeof pair);
   }
 }
 

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace hierspec_tiles {
 
@@ -236,6 +237,15 @@ void with_form(const TileShape& shape, const at::Tensor& codes, const at::Tensor
   else if (shape.eight) run(EightBit<float>{}, weights(float{}));
   else if (shape.half) run(FourBit<uint16_t>{}, weights(uint16_t{}));
   else run(FourBit<float>{}, weights(float{}));
+}
+
+// float32 rows as bfloat16, rounded to nearest even (K a multiple of 32): the AVX512-BF16 products' rows
+inline void rounded_rows(const float* x, int64_t count, std::vector<uint16_t>& rows) {
+  rows.resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    std::memcpy(rows.data() + i, &pair, sizeof pair);
+  }
 }
 
 }  // namespace hierspec_tiles
