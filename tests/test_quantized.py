@@ -1,6 +1,8 @@
 """GGUF weights kept quantized (:mod:`hierspec.runtime.quantized`): exact repacking of each block type, a tiny model
 written as a GGUF file by the ``gguf`` package run on the int4 path, losslessness on that path, clean fallbacks."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,15 +12,15 @@ from gguf.quants import dequantize, quantize
 
 from hierspec.batching import BatchConfig, decode_batch
 from hierspec.calibration import machine_identity
-from hierspec.config import GenerationConfig
+from hierspec.config import GenerationConfig, ModelConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
-from hierspec.methods import DrafterContext, make_drafter
+from hierspec.methods import DrafterContext, draft_model_config, make_drafter
 from hierspec.runtime import RuntimeConfig, onednn, prompt_kernel
 from hierspec.runtime import quantized as q
 from hierspec.runtime.int4_kernel import pack_vnni
-from hierspec.target import TargetModel
+from hierspec.target import TargetModel, runtime_config
 from hierspec.tree import build_tree
 from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
 
@@ -542,6 +544,47 @@ def test_a_draft_models_8_bit_weights_are_requantized_to_4_bits_at_load_and_no_o
     result = SpeculativeDecoder(target, make_drafter("sd:draft=tiny-draft,k=4,budget=off", context)).generate(
         prompt, config)
     assert result.token_ids == reference and result.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("draft_dtype, runtime", [("auto", "int4"), ("target", "eager"), ("float32", "eager")])
+def test_a_gguf_draft_beside_a_target_of_another_dtype_runs_as_draft_dtype_says_and_no_output_changes(
+        tmp_path, monkeypatch, draft_dtype, runtime):
+    target = TargetModel(make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float64, layers=1, hidden=64),
+                         make_tokenizer(VOCAB), "tiny-float64", RuntimeConfig(kind="eager"))
+    draft_model = make_model("llama", vocab_size=VOCAB, seed=11, dtype=torch.float32, layers=1, hidden=64)
+    draft_file = write_tiny_gguf(tmp_path / "draft.gguf", draft_model)
+    seen = []
+
+    def load_draft(spec=None, config=None):  # load_model with the file's runtime as the configuration asks
+        seen.append(config)
+        return TargetModel(draft_model, make_tokenizer(VOCAB), config.spec, runtime_config(config, draft_model))
+
+    monkeypatch.setattr("hierspec.target.load_model", load_draft)
+    target_config = ModelConfig(dtype="float64", runtime="eager")
+    context = DrafterContext(target, find_default_stores=False, model_config=target_config, draft_dtype=draft_dtype)
+    draft = context.load_draft_lm(str(draft_file), "sd").model
+    assert seen[0].spec == str(draft_file)
+    assert seen[0].dtype == {"auto": "auto", "target": "float64", "float32": "float32"}[draft_dtype]
+    assert draft.runtime.kind == runtime
+    prompt, config = [4, 8, 15, 16, 23, 42, 4, 8, 15], GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
+    result = SpeculativeDecoder(target, make_drafter(f"sd:draft={draft_file},k=4,budget=off", context)).generate(
+        prompt, config)
+    assert result.token_ids == reference and result.stats.drafted_tokens > 0
+
+
+def test_draft_model_config_keeps_the_targets_dtype_for_a_non_gguf_draft_and_rejects_unknown_dtypes(tmp_path):
+    target_config = ModelConfig(dtype="bfloat16", runtime="packed", threads=2)
+    directory = str(tmp_path / "a-checkpoint")
+    assert draft_model_config(target_config, directory, "4bit", "auto") == replace(
+        target_config, spec=directory, requantize="4bit")
+    gguf = draft_model_config(target_config, str(tmp_path / "draft.gguf"), "none", "auto")
+    assert (gguf.dtype, gguf.runtime, gguf.threads, gguf.requantize) == ("auto", "auto", 2, "none")
+    assert draft_model_config(target_config, directory, "4bit", "float16").dtype == "float16"
+    with pytest.raises(InputError, match="draft dtype"):
+        draft_model_config(target_config, directory, "4bit", "int3")
+    with pytest.raises(InputError, match="--draft-dtype"):
+        DrafterContext(None, draft_dtype="int3")
 
 
 def test_a_q5_0_file_runs_on_the_int4_path_as_8_bit_codes_and_every_method_equals_plain_decoding(tmp_path, kernel):

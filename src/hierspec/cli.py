@@ -9,7 +9,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB
+from hierspec.config import DRAFT_DTYPE, DRAFT_DTYPES, DRAFT_REQUANTIZE, DRAFT_VOCAB
 from hierspec.errors import HierspecError, InputError
 from hierspec.storage import is_storage_error, storage_problem
 
@@ -88,6 +88,11 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
                        help="a draft model's GGUF weights of more than 4 bits (Q8_0, Q5_0, Q6_K) rounded to 4 bits at "
                             "load, fewer bytes a draft step (the output never depends on them); none = as stored "
                             f"(default {DRAFT_REQUANTIZE})")
+    group.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=DRAFT_DTYPE,
+                       help="how a draft model runs beside the target: auto = a GGUF draft on its own 4-bit path "
+                            "whatever --dtype the target has (since 2026-12-03), any other draft in the target's "
+                            "dtype; target = the target's dtype and runtime (before); or a dtype for the draft "
+                            f"alone (default {DRAFT_DTYPE}; the output never depends on it)")
 
 
 def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False):
@@ -97,7 +102,7 @@ def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False
     return DrafterContext(model, tuple(args.datastore), draft_model=args.draft_model,
                           middle_model=args.middle_model, self_verify=args.self_verify,
                           model_config=_model_config(args), draft_vocab=_draft_vocab(args),
-                          draft_requantize=args.draft_requantize,
+                          draft_requantize=args.draft_requantize, draft_dtype=args.draft_dtype,
                           learned_dir=str(default_learned_dir()) if keep_learned else None)
 
 
@@ -359,7 +364,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sampling=SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k),
         sampling_seeds=_seeds(args.sampling_seeds), draft_model=args.draft_model, middle_model=args.middle_model,
         self_verify=args.self_verify, draft_vocab=_draft_vocab(args), draft_requantize=args.draft_requantize,
-        first_turn_only=args.first_turn_only, subset_seed=args.seed,
+        draft_dtype=args.draft_dtype, first_turn_only=args.first_turn_only, subset_seed=args.seed,
     )
     summary = run_bench(config, _model_config(args))
     print(f"wrote {args.out}/summary.json, report.md and answers-*.jsonl")

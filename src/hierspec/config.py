@@ -35,6 +35,10 @@ def check_text(text, what: str) -> str:
 DRAFT_VOCAB = 32768
 #: draft models' weights by default (``--draft-requantize``): 4-bit, fewer bytes a draft step
 DRAFT_REQUANTIZE = "4bit"
+#: ``--draft-dtype`` values: ``auto`` (a GGUF draft on its own 4-bit path whatever the target's dtype, any other
+#: draft in the target's dtype), ``target`` (the target's dtype and runtime), or a dtype for the draft alone
+DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16")
+DRAFT_DTYPE = "auto"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, ModelConfig
+from hierspec.config import DRAFT_DTYPE, DRAFT_DTYPES, DRAFT_REQUANTIZE, DRAFT_VOCAB, ModelConfig
 from hierspec.datastore.format import default_store_dir, read_header
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.carried import CarriedState, learned_path
@@ -39,7 +39,8 @@ class DrafterContext:
     ``draft_vocab``: the tokens a draft model's head computes (the most frequent in this tokenizer's suffix
     stores, see :meth:`draft_shortlist`; 0 = its whole vocabulary); ``draft_requantize``: how a draft model's GGUF
     weights are held (``"4bit"``: rounded to 4 bits at load, fewer bytes a draft step; ``"none"``: as stored —
-    :attr:`~hierspec.config.ModelConfig.requantize`); ``learned_dir``: where what drafters learn is kept across
+    :attr:`~hierspec.config.ModelConfig.requantize`); ``draft_dtype``: how a draft model runs beside the target
+    (:func:`draft_model_config`); ``learned_dir``: where what drafters learn is kept across
     processes (``None``: within this process only; :meth:`carried_state`).
 
     Each datastore's header names its kind; a method takes the stores of the kinds it uses. Methods whose stores
@@ -58,8 +59,13 @@ class DrafterContext:
     cost_curve: str | None = None
     draft_vocab: int = DRAFT_VOCAB
     draft_requantize: str = DRAFT_REQUANTIZE
+    draft_dtype: str = DRAFT_DTYPE
     learned_dir: str | None = None
     _opened: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise InputError(f"--draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, not {self.draft_dtype!r}")
 
     def shared(self, key: tuple, open_it: Callable[[], Any]) -> Any:
         """The object ``open_it()`` made for ``key`` the first time any drafter built from this context asked: the
@@ -92,25 +98,29 @@ class DrafterContext:
             return load_curve(self.cost_curve)
         return load_curve(default_curve_path(self.target))
 
-    def load_draft_lm(self, spec: str, method: str):
+    def load_draft_lm(self, spec: str, method: str, dtype: str | None = None):
         """A :class:`~hierspec.draft_lm.DraftLM` for ``self:K`` (the target's first K layers) or a model to load
-        (id, directory or ``.gguf``; it must share the target's tokenizer)."""
+        (id, directory or ``.gguf``; it must share the target's tokenizer), run as ``dtype`` says (default:
+        ``draft_dtype``; :func:`draft_model_config`)."""
         from hierspec.draft_lm import SELF_PREFIX, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_share
         from hierspec.target import load_model
 
         from hierspec.calibration import relative_verification_cost
 
+        dtype = dtype or self.draft_dtype
+
         def load():
             if spec.startswith(SELF_PREFIX):
                 return self_drafting_model(self.target, self_layers(spec, self.target))
-            config = replace(self.model_config or ModelConfig(), requantize=self.draft_requantize)
-            model = load_model(spec, config)
+            model = load_model(spec, draft_model_config(self.model_config or ModelConfig(), spec,
+                                                        self.draft_requantize, dtype))
             check_same_tokenizer(model, self.target)
             return model
 
-        draft = self.shared(("draft-model", spec, self.draft_requantize), load)
+        key = (spec, self.draft_requantize, dtype)
+        draft = self.shared(("draft-model", *key), load)
         shortlist = self.draft_shortlist()
-        head = None if shortlist is None else self.shared(("draft-head", spec, self.draft_vocab),
+        head = None if shortlist is None else self.shared(("draft-head", *key, self.draft_vocab),
                                                           lambda: draft.head_over(shortlist))
 
         def step_cost(rows: int) -> float:
@@ -118,9 +128,9 @@ class DrafterContext:
             # target's milliseconds (its step against the target's timed in pairs, once per process), read when
             # cost-aware drafting asks; with a shortlist head, times the share of a forward it leaves (measured once
             # per head, however many generations draft with it)
-            cost = self.shared(("draft-cost", spec, self.draft_requantize),
+            cost = self.shared(("draft-cost", *key),
                                lambda: relative_verification_cost(draft, self.target, self.verification_cost()))(rows)
-            return cost if head is None else cost * self.shared(("draft-head-share", spec, self.draft_vocab),
+            return cost if head is None else cost * self.shared(("draft-head-share", *key, self.draft_vocab),
                                                                 lambda: shortlist_share(draft, head))
 
         return DraftLM(draft, self.target.vocab_size, step_cost=step_cost, head=head)
@@ -214,6 +224,30 @@ def self_layers(spec: str, target) -> int:
     if value != int(value):
         raise InputError(f"{spec!r}: K must be a whole number of layers or a fraction below 1")
     return int(value)
+
+
+def draft_model_config(target_config: ModelConfig, spec: str, requantize: str, dtype: str) -> ModelConfig:
+    """How the draft model ``spec`` is loaded beside a target loaded with ``target_config``.
+
+    ``dtype``: ``"auto"`` loads a GGUF draft as a GGUF target loads by default (on the CPU its own 4- or 8-bit
+    weights on the int4 path) whatever dtype the target was given, and any other draft in the target's dtype;
+    ``"target"`` takes the target's dtype and runtime; a dtype name loads the draft in it. What a draft proposes
+    never changes the output, so its dtype is a speed choice only: a bfloat16 Qwen2.5-Coder-1.5B target drafted by
+    the 0.5B's 4-bit weights pays ~12 ms a draft step on a Zen 4 instead of ~31 in bfloat16 (BENCHMARKS.md,
+    "Fifty-seventh session"). ``requantize``: :attr:`~hierspec.config.ModelConfig.requantize` for the draft.
+    """
+    from hierspec.loading import gguf_source
+
+    if dtype not in DRAFT_DTYPES:
+        raise InputError(f"draft dtype must be one of {', '.join(DRAFT_DTYPES)}, not {dtype!r}")
+    config = replace(target_config, spec=spec, requantize=requantize)
+    if dtype == "target":
+        return config
+    if dtype != "auto":
+        return replace(config, dtype=dtype)
+    if gguf_source(config) is None:
+        return config
+    return replace(config, dtype="auto", runtime="auto")
 
 
 def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel) -> Drafter:

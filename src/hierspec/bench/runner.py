@@ -20,7 +20,7 @@ from hierspec.bench.metrics import MethodRecord, QuestionRun, explain_divergence
 from hierspec.bench.plots import write_plots
 from hierspec.bench.questions import Question, load_questions, select_questions
 from hierspec.bench.report import write_answers, write_report
-from hierspec.config import DRAFT_REQUANTIZE, DRAFT_VOCAB, GenerationConfig, ModelConfig, SamplingConfig
+from hierspec.config import DRAFT_DTYPE, DRAFT_REQUANTIZE, DRAFT_VOCAB, GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.errors import InputError
 from hierspec.gc_pauses import freeze_long_lived, thaw
@@ -60,6 +60,9 @@ class BenchConfig:
         draft_vocab: tokens a draft model's head computes (``--draft-vocab``; 0 = all).
         draft_requantize: how a draft model's GGUF weights are held (``--draft-requantize``: ``"4bit"`` or
             ``"none"``).
+        draft_dtype: how a draft model runs beside the target (``--draft-dtype``;
+            :func:`~hierspec.methods.draft_model_config`); ``hf-assisted`` gives transformers the draft in the
+            target's dtype, as its users run it.
         first_turn_only: answer only each question's first turn (default: every turn, each later turn seeing the
             method's own earlier answers, as Spec-Bench does for MT-Bench).
         subset_seed: pick the subset at random with this seed instead of in file order.
@@ -80,6 +83,7 @@ class BenchConfig:
     self_verify: bool = False
     draft_vocab: int = DRAFT_VOCAB
     draft_requantize: str = DRAFT_REQUANTIZE
+    draft_dtype: str = DRAFT_DTYPE
     first_turn_only: bool = False
     subset_seed: int | None = None
     sampling_seeds: tuple[int, ...] = (0,)
@@ -151,7 +155,7 @@ def _hf_runner(label: str, model: TargetModel, config: GenerationConfig, context
     if label == "hf-assisted":
         if not context.draft_model:
             raise InputError("hf-assisted needs a draft model: pass --draft-model (a model or self:K)")
-        assistant = context.load_draft_lm(context.draft_model, label).model.model
+        assistant = context.load_draft_lm(context.draft_model, label, dtype="target").model.model
         return HfGenerateRunner(model, config, label, {"assistant_model": assistant})
     return HfGenerateRunner(model, config)
 
@@ -218,7 +222,7 @@ def run_bench(config: BenchConfig, model_config: ModelConfig, model: TargetModel
     context = DrafterContext(model, config.datastores, draft_model=config.draft_model,
                              middle_model=config.middle_model, self_verify=config.self_verify,
                              draft_vocab=config.draft_vocab, draft_requantize=config.draft_requantize,
-                             model_config=model_config)
+                             draft_dtype=config.draft_dtype, model_config=model_config)
     runners = make_runners(model, config.methods, gen_config, context)
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
