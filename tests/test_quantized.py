@@ -573,18 +573,73 @@ def test_a_gguf_draft_beside_a_target_of_another_dtype_runs_as_draft_dtype_says_
     assert result.token_ids == reference and result.stats.drafted_tokens > 0
 
 
-def test_draft_model_config_keeps_the_targets_dtype_for_a_non_gguf_draft_and_rejects_unknown_dtypes(tmp_path):
+def test_draft_model_config_rounds_a_checkpoint_draft_to_4_bits_only_under_auto_and_rejects_unknown_dtypes(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     target_config = ModelConfig(dtype="bfloat16", runtime="packed", threads=2)
     directory = str(tmp_path / "a-checkpoint")
     assert draft_model_config(target_config, directory, "4bit", "auto") == replace(
-        target_config, spec=directory, requantize="4bit")
+        target_config, spec=directory, requantize="4bit", dtype="float32", runtime="auto")
+    assert draft_model_config(target_config, directory, "none", "auto") == replace(
+        target_config, spec=directory, requantize="none")
+    assert draft_model_config(target_config, directory, "4bit", "target") == replace(
+        target_config, spec=directory, requantize="none")
     gguf = draft_model_config(target_config, str(tmp_path / "draft.gguf"), "none", "auto")
     assert (gguf.dtype, gguf.runtime, gguf.threads, gguf.requantize) == ("auto", "auto", 2, "none")
-    assert draft_model_config(target_config, directory, "4bit", "float16").dtype == "float16"
+    expanded = draft_model_config(target_config, str(tmp_path / "draft.gguf"), "4bit", "float16")
+    assert (expanded.dtype, expanded.requantize) == ("float16", "none")
+    on_cuda = replace(target_config, device="cuda")
+    assert draft_model_config(on_cuda, directory, "4bit", "auto").dtype == "bfloat16"
     with pytest.raises(InputError, match="draft dtype"):
         draft_model_config(target_config, directory, "4bit", "int3")
     with pytest.raises(InputError, match="--draft-dtype"):
         DrafterContext(None, draft_dtype="int3")
+
+
+def test_a_float_weight_rounded_to_4_bits_lands_within_half_a_step_of_every_element():
+    weight = torch.randn(32, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    weight[0, :32] = 0.0  # a constant group
+    (rounded,) = q.quantize_4bit(weight)
+    steps = rounded.scales.repeat_interleave(q.GROUP, dim=1)
+    error = (rounded.dequantize() - weight).abs()
+    assert bool((error <= steps / 2 + 1e-7).all()) and rounded.codes.max() <= 15
+    assert torch.equal(rounded.dequantize()[0, :32], weight[0, :32])
+
+
+def test_a_float32_checkpoint_draft_runs_its_weights_rounded_to_4_bits_and_no_output_changes(tmp_path):
+    kernels, reason = q.resolve_kernel("auto")
+    if kernels is None:
+        pytest.skip(reason)
+    target = TargetModel(make_model("llama", vocab_size=VOCAB, seed=5, dtype=torch.float64, layers=1, hidden=64),
+                         make_tokenizer(VOCAB), "tiny-float64", RuntimeConfig(kind="eager"))
+    float_draft = make_model("llama", vocab_size=VOCAB, seed=11, dtype=torch.float32, layers=1, hidden=64)
+    draft = TargetModel(float_draft, make_tokenizer(VOCAB), "tiny-draft", RuntimeConfig(requantize="4bit"))
+    assert draft.runtime.kind == "int4" and draft.runtime.describe()["weights"] == "rounded-int4"
+    assert draft.name == "tiny-draft, requantized to 4 bits"
+    plain = TargetModel(float_draft, make_tokenizer(VOCAB), "tiny-draft", RuntimeConfig())
+    assert plain.runtime.kind != "int4"  # without the rounding asked for, a checkpoint stays float
+    rounded_copy = make_model("llama", vocab_size=VOCAB, seed=11, dtype=torch.float32, layers=1, hidden=64)
+    modules = dict(rounded_copy.named_modules())
+    weights, reason = q.float_weights_4bit(float_draft)
+    assert reason is None and len(weights) == 7 + 1
+    with torch.no_grad():
+        for name, (rounded,) in weights.items():  # the float model with each linear's rounded weight
+            modules[name].weight.copy_(rounded.dequantize())
+        ids = torch.tensor([[4, 8, 15, 16, 23, 42]])
+        reference, unrounded = rounded_copy(ids).logits[0, -1], float_draft(ids).logits[0, -1]
+    cache = draft.new_cache(capacity=16)
+    draft.prefill(cache, ids[0].tolist()[:-1])
+    logits = draft.forward_tree(cache, build_tree(42, [], []), False).logits[0].to(torch.float32)
+    # the rounded weights' model up to the kernels' row rounding (rows as 8-bit codes, a float16 cache), not the
+    # float model
+    assert torch.linalg.vector_norm(logits - reference) < 0.3 * torch.linalg.vector_norm(logits - unrounded)
+    prompt, config = [4, 8, 15, 16, 23, 42, 4, 8, 15], GenerationConfig(max_new_tokens=30, stop_at_eos=False)
+    expected = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
+    context = DrafterContext(target, find_default_stores=False)
+    context._opened[("draft-model", "tiny-draft", "4bit", "auto")] = draft
+    result = SpeculativeDecoder(target, make_drafter("sd:draft=tiny-draft,k=4,budget=off", context)).generate(
+        prompt, config)
+    assert result.token_ids == expected and result.stats.drafted_tokens > 0
 
 
 def test_a_q5_0_file_runs_on_the_int4_path_as_8_bit_codes_and_every_method_equals_plain_decoding(tmp_path, kernel):

@@ -229,25 +229,36 @@ def self_layers(spec: str, target) -> int:
 def draft_model_config(target_config: ModelConfig, spec: str, requantize: str, dtype: str) -> ModelConfig:
     """How the draft model ``spec`` is loaded beside a target loaded with ``target_config``.
 
-    ``dtype``: ``"auto"`` loads a GGUF draft as a GGUF target loads by default (on the CPU its own 4- or 8-bit
-    weights on the int4 path) whatever dtype the target was given, and any other draft in the target's dtype;
-    ``"target"`` takes the target's dtype and runtime; a dtype name loads the draft in it. What a draft proposes
-    never changes the output, so its dtype is a speed choice only: a bfloat16 Qwen2.5-Coder-1.5B target drafted by
-    the 0.5B's 4-bit weights pays ~12 ms a draft step on a Zen 4 instead of ~31 in bfloat16 (BENCHMARKS.md,
-    "Fifty-seventh session"). ``requantize``: :attr:`~hierspec.config.ModelConfig.requantize` for the draft.
+    ``dtype``: ``"auto"`` runs the draft on the CPU's int4 path whatever dtype the target was given — a GGUF draft
+    on its own 4- or 8-bit weights (as a GGUF target loads by default), a checkpoint's float32 weights rounded to 4
+    bits at load when ``requantize`` is ``"4bit"`` — and elsewhere (CUDA; a checkpoint with ``requantize`` ``"none"``)
+    in the target's dtype; ``"target"`` takes the target's dtype and runtime; a dtype name loads the draft in it. What
+    a draft proposes never changes the output, so this is a speed choice only: a bfloat16 Qwen2.5-Coder-1.5B target
+    drafted by the 0.5B's 4-bit weights pays ~12 ms a draft step on a Zen 4 instead of ~31 in bfloat16
+    (BENCHMARKS.md, "Fifty-seventh session"). A checkpoint whose architecture or shapes the int4 path does not take
+    runs in float32 (logged). ``requantize``: :attr:`~hierspec.config.ModelConfig.requantize` for the draft.
     """
     from hierspec.loading import gguf_source
 
     if dtype not in DRAFT_DTYPES:
         raise InputError(f"draft dtype must be one of {', '.join(DRAFT_DTYPES)}, not {dtype!r}")
     config = replace(target_config, spec=spec, requantize=requantize)
-    if dtype == "target":
-        return config
     if dtype != "auto":
-        return replace(config, dtype=dtype)
-    if gguf_source(config) is None:
+        config = config if dtype == "target" else replace(config, dtype=dtype)
+        # rounded only where the GGUF file's own blocks run: a draft loaded in float stays as loaded
+        on_file = config.dtype == "auto" and gguf_source(config) is not None
+        return config if on_file else replace(config, requantize="none")
+    if gguf_source(config) is not None:
+        return replace(config, dtype="auto", runtime="auto")
+    if requantize != "4bit" or _runs_on_cuda(config.device):
         return config
-    return replace(config, dtype="auto", runtime="auto")
+    return replace(config, dtype="float32", runtime="auto")
+
+
+def _runs_on_cuda(device: str) -> bool:
+    import torch
+
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel) -> Drafter:

@@ -275,11 +275,13 @@ def load_model(spec: str | None = None, config: ModelConfig | None = None) -> Ta
 
 def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     """The runtime a model configuration asks for: a GGUF file keeps its quantized weights unless a dtype was
-    chosen explicitly (``--dtype float32`` expands them) or another runtime was named."""
+    chosen explicitly (``--dtype float32`` expands them) or another runtime was named; a float32 checkpoint with
+    ``requantize="4bit"`` (a draft model's) runs its own weights rounded to 4 bits."""
     gguf = gguf_source(config) if config.dtype == "auto" else None
     if gguf is None:
         return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel,
-                             kv_cache=config.kv_cache, dense_kernel=config.dense_kernel)
+                             kv_cache=config.kv_cache, dense_kernel=config.dense_kernel, requantize=config.requantize,
+                             prompt_kernel=config.prompt_kernel)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path,
                          attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache,

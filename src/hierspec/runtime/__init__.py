@@ -46,8 +46,8 @@ from hierspec.runtime.kv_cache import DEFAULT_CAPACITY, TreeCache, cache_argumen
 from hierspec.runtime.onednn import LinearPacking, probe
 from hierspec.runtime.prompt_kernel import PROMPT_KERNELS, expanded_product_dtype, resolve_prompt_kernel
 from hierspec.runtime.packed_store import PackedStore
-from hierspec.runtime.quantized import (CACHE_FILE, REQUANTIZED_CACHE_FILE, Int4Kernels, Int4Weight, load_gguf_weights,
-                                     resolve_kernel)
+from hierspec.runtime.quantized import (CACHE_FILE, REQUANTIZED_CACHE_FILE, Int4Kernels, Int4Weight,
+                                        float_weights_4bit, load_gguf_weights, resolve_kernel)
 from hierspec.runtime.slots import SlotPool
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,9 @@ class RuntimeConfig:
             path, a bfloat16 model; a float32 model keeps float32 entries), ``"model"`` (the model's dtype) or
             ``"float16"`` (an error where the compiled layers do not run).
         requantize: ``"none"`` or ``"4bit"``: the int4 path's weights of more than 4 bits rounded to 4-bit codes at
-            load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models).
+            load (:func:`~hierspec.runtime.quantized.requantize_4bit`; draft models); a float32 model loaded without
+            a GGUF file then runs the int4 path on its own weights rounded to 4 bits
+            (:func:`~hierspec.runtime.quantized.float_weights_4bit`; draft models from a checkpoint).
         prompt_kernel: which products read prompts on the int4 path, ``"auto"``, ``"expanded"``, ``"vnni"`` or
             ``"vnni8"`` (:mod:`~hierspec.runtime.prompt_kernel`).
         dense_kernel: which products multiply a bfloat16 or float32 model's tree and batch rows in the compiled layers,
@@ -228,7 +230,9 @@ class Runtime:
             return None
         reason = self._int4_reason()
         weights = None
-        if reason is None:
+        if reason is None and self.config.gguf is None:
+            weights, reason = float_weights_4bit(self.model)
+        elif reason is None:
             weights, reason = load_gguf_weights(self.config.gguf, self.model.config, self.config.gguf_cache,
                                                 requantize=self.config.requantize == "4bit")
         if reason is not None:
@@ -268,8 +272,10 @@ class Runtime:
         return self.dtype if dense else None
 
     def _int4_reason(self) -> str | None:
-        if self.config.gguf is None:
+        if self.config.gguf is None and self.config.requantize != "4bit":
             return "the model was not loaded from a GGUF file"
+        if self.config.gguf is None and self.dtype != torch.float32:
+            return "a checkpoint's weights are rounded to 4 bits from a float32 model only"
         if self.device.type != "cpu":
             return "the int4 path runs on the CPU only"
         if self.config.decoder != "auto":
@@ -308,7 +314,8 @@ class Runtime:
         return {"kind": self.kind, "buckets": list(self.buckets),
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
-                "weights": "gguf-int4" if self.kind == "int4" else str(self.dtype).removeprefix("torch."),
+                "weights": (("gguf-int4" if self.config.gguf else "rounded-int4") if self.kind == "int4"
+                            else str(self.dtype).removeprefix("torch.")),
                 "attention": "exact" if self.exact else "sdpa",
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,

@@ -197,6 +197,13 @@ def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
     weight = passes[0].dequantize()
     for other in passes[1:]:
         weight += other.dequantize()
+    return quantize_4bit(weight)
+
+
+def quantize_4bit(weight: torch.Tensor) -> list[Int4Weight]:
+    """A float weight ``[out, in]`` (``in`` a multiple of 32) rounded to one 4-bit pass as :func:`requantize_4bit`
+    rounds a GGUF file's wider weights: a draft model loaded from a float checkpoint on the int4 path."""
+    weight = weight.detach().to(torch.float32)
     groups = weight.reshape(weight.shape[0], -1, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     bias, step = _float16_grid(low, high)
@@ -724,6 +731,27 @@ def read_gguf_weights(path: str | Path, config) -> tuple[dict[str, list[Int4Weig
         passes = decode_blocks(kind, tensor.data, rows, cols)
         order = _unpermuted_rows(gguf_name, rows, config)
         weights[module] = passes if order is None else [p.take_rows(order) for p in passes]
+    return weights, None
+
+
+def float_weights_4bit(model) -> tuple[dict[str, list[Int4Weight]] | None, str | None]:
+    """Every linear of a Llama-family float model (``model.layers.N.self_attn.q_proj``, …, ``lm_head``) rounded to
+    4-bit passes (:func:`quantize_4bit`), keyed as :func:`read_gguf_weights` keys a file's; or ``(None, reason)``
+    where a weight's shape does not fit the kernels. For draft models loaded from a checkpoint without a GGUF file:
+    what a draft proposes never changes the output."""
+    modules = dict(model.named_modules())
+    layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
+    names = [f"model.layers.{i}.{name}" for i in range(layers) for name in _LAYER_NAMES.values()] + ["lm_head"]
+    weights: dict[str, list[Int4Weight]] = {}
+    for name in names:
+        module = modules.get(name)
+        if module is None or getattr(module, "weight", None) is None:
+            return None, f"the model has no linear {name}"
+        rows, cols = module.weight.shape
+        if cols % GROUP or rows % ROW_MULTIPLE:
+            return None, (f"{name} is {rows} x {cols} (4-bit rounding needs inputs in groups of {GROUP} and output "
+                          f"rows in multiples of {ROW_MULTIPLE})")
+        weights[name] = quantize_4bit(module.weight)
     return weights, None
 
 
