@@ -89,10 +89,11 @@ def _add_draft_model_options(parser: argparse.ArgumentParser) -> None:
                             "load, fewer bytes a draft step (the output never depends on them); none = as stored "
                             f"(default {DRAFT_REQUANTIZE})")
     group.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default=DRAFT_DTYPE,
-                       help="how a draft model runs beside the target: auto = a GGUF draft on its own 4-bit path "
-                            "whatever --dtype the target has (since 2026-12-03), any other draft in the target's "
-                            "dtype; target = the target's dtype and runtime (before); or a dtype for the draft "
-                            f"alone (default {DRAFT_DTYPE}; the output never depends on it)")
+                       help="how a draft model runs beside the target: auto = on the CPU's 4-bit path whatever "
+                            "--dtype the target has (a GGUF file's own blocks, a checkpoint rounded at load unless "
+                            "--draft-requantize none; since 2026-12-03); target = the target's dtype and runtime "
+                            f"(before); or a dtype for the draft alone (default {DRAFT_DTYPE}; the output never "
+                            "depends on it)")
 
 
 def _drafter_context(args: argparse.Namespace, model, keep_learned: bool = False):

@@ -35,8 +35,9 @@ def check_text(text, what: str) -> str:
 DRAFT_VOCAB = 32768
 #: draft models' weights by default (``--draft-requantize``): 4-bit, fewer bytes a draft step
 DRAFT_REQUANTIZE = "4bit"
-#: ``--draft-dtype`` values: ``auto`` (a GGUF draft on its own 4-bit path whatever the target's dtype, any other
-#: draft in the target's dtype), ``target`` (the target's dtype and runtime), or a dtype for the draft alone
+#: ``--draft-dtype`` values: ``auto`` (on the CPU a draft on the 4-bit path whatever the target's dtype: a GGUF file's
+#: own blocks, a checkpoint rounded at load), ``target`` (the target's dtype and runtime), or a dtype for the draft
+#: alone (:func:`hierspec.methods.draft_model_config`)
 DRAFT_DTYPES = ("auto", "target", "float32", "bfloat16", "float16")
 DRAFT_DTYPE = "auto"
 
@@ -153,9 +154,10 @@ class ModelConfig:
             the same stored entries, so each stays lossless against plain decoding.
         requantize: ``"none"`` (a GGUF file's weights as stored) or ``"4bit"`` (on the int4 path, weights stored
             with more bits — ``Q8_0``, ``Q5_0``, ``Q6_K`` — rounded to 4-bit codes as ``Q4_1`` rounds them at load:
-            fewer bytes a forward). Meant for draft models, whose weights decide what is proposed, never what is
-            output (``--draft-requantize``); a target loaded so is another model, its own plain decoding the
-            reference.
+            fewer bytes a forward); a float32 checkpoint (no GGUF file) with ``"4bit"`` runs its linears rounded to
+            4-bit codes on the int4 path. Meant for draft models, whose weights decide what is proposed, never what
+            is output (``--draft-requantize``, ``--draft-dtype``); a target loaded so is another model, its own
+            plain decoding the reference.
         prompt_kernel: which products read prompts on the int4 path: ``"auto"`` (``"vnni8"`` or ``"expanded"``,
             whichever is faster here for a prompt-sized block of rows, timed once per machine and kept; ``"expanded"``
             where trees are verified by a kernel other than ``vnni``/``vnni8``), ``"expanded"`` (the file's weights

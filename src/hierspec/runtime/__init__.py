@@ -240,6 +240,8 @@ class Runtime:
                 raise InputError(f"the int4 runtime is unavailable: {reason}")
             if self.config.gguf is not None:
                 log.info("GGUF weights run dequantized: %s", reason)
+            elif self.config.requantize == "4bit":
+                log.info("the weights run as loaded, not rounded to 4 bits: %s", reason)
         return weights
 
     def _packed_store(self) -> PackedStore:
