@@ -565,7 +565,7 @@ def test_a_gguf_draft_beside_a_target_of_another_dtype_runs_as_draft_dtype_says_
     draft = context.load_draft_lm(str(draft_file), "sd").model
     assert seen[0].spec == str(draft_file)
     assert seen[0].dtype == {"auto": "auto", "target": "float64", "float32": "float32"}[draft_dtype]
-    assert draft.runtime.kind == runtime
+    assert draft.runtime.kind == runtime and draft.runtime.config.gguf_cache is None
     prompt, config = [4, 8, 15, 16, 23, 42, 4, 8, 15], GenerationConfig(max_new_tokens=30, stop_at_eos=False)
     reference = SpeculativeDecoder(target, NoDrafter()).generate(prompt, config).token_ids
     result = SpeculativeDecoder(target, make_drafter(f"sd:draft={draft_file},k=4,budget=off", context)).generate(
@@ -588,6 +588,7 @@ def test_draft_model_config_rounds_a_checkpoint_draft_to_4_bits_only_under_auto_
     assert (gguf.dtype, gguf.runtime, gguf.threads, gguf.requantize) == ("auto", "auto", 2, "none")
     expanded = draft_model_config(target_config, str(tmp_path / "draft.gguf"), "4bit", "float16")
     assert (expanded.dtype, expanded.requantize) == ("float16", "none")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     on_cuda = replace(target_config, device="cuda")
     assert draft_model_config(on_cuda, directory, "4bit", "auto").dtype == "bfloat16"
     with pytest.raises(InputError, match="draft dtype"):

@@ -238,27 +238,21 @@ def draft_model_config(target_config: ModelConfig, spec: str, requantize: str, d
     (BENCHMARKS.md, "Fifty-seventh session"). A checkpoint whose architecture or shapes the int4 path does not take
     runs in float32 (logged). ``requantize``: :attr:`~hierspec.config.ModelConfig.requantize` for the draft.
     """
-    from hierspec.loading import gguf_source
+    from hierspec.loading import gguf_source, resolve_device
 
     if dtype not in DRAFT_DTYPES:
         raise InputError(f"draft dtype must be one of {', '.join(DRAFT_DTYPES)}, not {dtype!r}")
     config = replace(target_config, spec=spec, requantize=requantize)
+    gguf_file = gguf_source(config) is not None
     if dtype != "auto":
         config = config if dtype == "target" else replace(config, dtype=dtype)
         # rounded only where the GGUF file's own blocks run: a draft loaded in float stays as loaded
-        on_file = config.dtype == "auto" and gguf_source(config) is not None
-        return config if on_file else replace(config, requantize="none")
-    if gguf_source(config) is not None:
+        return config if config.dtype == "auto" and gguf_file else replace(config, requantize="none")
+    if gguf_file:
         return replace(config, dtype="auto", runtime="auto")
-    if requantize != "4bit" or _runs_on_cuda(config.device):
+    if requantize != "4bit" or resolve_device(config.device).type == "cuda":
         return config
     return replace(config, dtype="float32", runtime="auto")
-
-
-def _runs_on_cuda(device: str) -> bool:
-    import torch
-
-    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def make_drafter(method: str | MethodSpec, context: DrafterContext | TargetModel) -> Drafter:
