@@ -200,16 +200,31 @@ def requantize_4bit(passes: Sequence[Int4Weight]) -> list[Int4Weight]:
     return quantize_4bit(weight)
 
 
+#: elements of a weight rounded at a time by :func:`quantize_4bit`
+QUANTIZE_CHUNK = 1 << 22
+
+
 def quantize_4bit(weight: torch.Tensor) -> list[Int4Weight]:
     """A float weight ``[out, in]`` (``in`` a multiple of 32) rounded to one 4-bit pass as :func:`requantize_4bit`
     rounds a GGUF file's wider weights: a draft model loaded from a float checkpoint on the int4 path."""
-    weight = weight.detach().to(torch.float32)
-    groups = weight.reshape(weight.shape[0], -1, GROUP)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    bias, step = _float16_grid(low, high)
-    codes = torch.round((groups - bias[..., None]) / torch.where(step > 0, step, 1.0)[..., None])
-    codes = codes.clamp(0, 15).to(torch.uint8).reshape(weight.shape)
-    return [Int4Weight(codes.contiguous(), step.contiguous(), (bias + 8 * step).contiguous())]
+    weight = weight.detach()
+    rows, cols = weight.shape
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    steps = torch.empty(rows, cols // GROUP)
+    minimums = torch.empty(rows, cols // GROUP)
+    per = max(1, QUANTIZE_CHUNK // max(cols, 1))
+    for first in range(0, rows, per):
+        part = slice(first, first + per)
+        # a float32 copy of a few rows, rounded in place: the same operations as on the whole weight, in a block the
+        # caches hold (a 0.5B model's weights 6.9 s -> ~1.3 s on a Zen 4, and no whole-weight temporaries)
+        groups = weight[part].to(torch.float32, copy=True).reshape(-1, cols // GROUP, GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # two reductions: faster here than aminmax's one
+        bias, step = _float16_grid(low, high)
+        groups.sub_(bias[..., None]).div_(torch.where(step > 0, step, 1.0)[..., None]).round_().clamp_(0, 15)
+        codes[part] = groups.reshape(-1, cols).to(torch.uint8)
+        steps[part] = step
+        minimums[part] = bias
+    return [Int4Weight(codes, steps, minimums + 8 * steps)]
 
 
 def _float16_grid(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
