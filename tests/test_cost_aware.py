@@ -1,6 +1,7 @@
 """Calibration files and cost-aware drafting (trees trimmed by expected tokens per millisecond)."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -242,6 +243,38 @@ def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pay
     assert sizes[:3] == [1, 1, 1] and sizes[3] == 2  # skipped, then the 4th step explores one token
     assert inner.budgets[0] == 1  # a drafter that pays per token is asked for the planned window only
     assert drafter.plan(8) >= 2 and max(inner.budgets) <= 8 and sizes[-1] >= 3
+
+
+class _SlowSearch(_Chain):
+    """A retrieval drafter (no draft cost) whose every search takes ``seconds``."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def propose(self, context, budget):
+        time.sleep(self.seconds)
+        return super().propose(context, budget)
+
+
+def test_a_retrieval_search_that_saves_less_than_it_takes_is_run_every_few_steps_only():
+    # verifying 1-8 rows costs the same 2 ms, so the plan always drafts; a search takes >= 1 ms
+    flat = CostCurve((1, 8, 64), (2.0, 2.0, 8.0), {}).cost
+    rare = _SlowSearch(0.001)
+    drafter = CostAwareDrafter(rare, flat, explore_every=1000, max_explore_every=1000)
+    sizes = _run(drafter, 200, accepted=lambda tree: 0)  # never accepted: saves 0 ms a search
+    searches = len(rare.budgets)
+    # 16 searches to learn, then looks 2, 4, 8, 16, 32, 32 ... steps apart: 16 + 9 in 200 steps
+    assert 16 < searches <= 30 and drafter.gated_steps == 200 - searches and rare.observed == 200
+    assert sizes.count(1) >= 200 - searches  # a gated step verifies the root alone
+    report = drafter.report()
+    assert report["gated_steps"] == drafter.gated_steps and report["search_gate"]["interval"] == 32
+    paying = _SlowSearch(0.001)
+    drafter = CostAwareDrafter(paying, CPU_LIKE.cost)  # 60 ms steps, every token accepted: 4 x 60 ms saved
+    _run(drafter, 60, accepted=lambda tree: tree.size - 1)
+    assert len(paying.budgets) == 60 and drafter.gated_steps == 0
+    costly = CostAwareDrafter(_Chain(ms=1.0), flat)  # a drafter that pays per token is never gated
+    assert costly.search_gate is None
 
 
 def test_the_plan_and_the_cut_read_as_the_formulas_say_on_random_histories():

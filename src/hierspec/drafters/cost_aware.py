@@ -15,17 +15,26 @@ every method that does not size its own trees:
 * explores one level deeper than planned every ``explore_every``-th step, backing off (the interval doubles up to
   ``max_explore_every``) while exploring finds nothing, so the rates keep learning at a bounded cost;
 * never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if every draft token
-  were accepted (a self-draft of 90 % of the target's layers on a CPU, say), and says so once.
+  were accepted (a self-draft of 90 % of the target's layers on a CPU, say), and says so once;
+* asks a retrieval drafter (no draft cost, no draft distributions) to search only while the target steps its
+  accepted tokens save outweigh its search's own milliseconds, else every few steps, backing off up to 32
+  (:class:`~hierspec.drafters.source_gate.SourceGate`, as ``hd`` gates each of its databases): on SmolLM2's ~6 ms
+  integer-product steps REST's ShareGPT search (~0.2 ms a step, MAT 1.01) and a dense store's (~0.8 ms, MAT 1.08)
+  cost more than they saved.
 
 Rates start from a prior of one success in two trials at depth 1 and, deeper, from the continuation the shallower
 depths show; they decay (:data:`DECAY` per step) so that they follow the text, and a new generation keeps
 :data:`CARRIED` of them. Decisions read only the curves and the verdicts, never a clock, so a seeded sampled generation is
-reproducible. Cutting or skipping a draft never changes the output: any tree is verified losslessly.
+reproducible. The search gate reads a clock, but only for drafters without draft distributions, whose sampled
+tokens are one draw from the target's distribution each whatever the tree (:func:`~hierspec.accept.accept_sampled`),
+so a seeded sampled generation stays reproducible there too. Cutting or skipping a draft never changes the output:
+any tree is verified losslessly.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -36,6 +45,7 @@ from hierspec.config import SamplingConfig
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
 from hierspec.drafters.scored import ContextCost
+from hierspec.drafters.source_gate import SourceGate
 from hierspec.drafters.token_window import TokenWindow
 from hierspec.tree import DraftTree, root_only
 
@@ -95,6 +105,10 @@ class CostAwareDrafter(Drafter):
         self.skipped_steps = 0
         window = TokenWindow(self.cost, inner.draft_cost)
         self.window = window if inner.use_window(window) else None
+        #: whether a step searches at all, for a retrieval drafter (``None`` for drafters that pay per token)
+        self.search_gate = SourceGate([inner.name]) if self.window is None and inner.draft_cost(1) == 0 else None
+        self._search_ms: float | None = None  # the step's search, until its verdict is accounted
+        self.gated_steps = 0
 
     def cost(self, rows: int) -> float:
         """Milliseconds of verifying ``rows`` tree nodes over the context of the step being drafted."""
@@ -117,7 +131,8 @@ class CostAwareDrafter(Drafter):
     def begin(self, prompt: np.ndarray) -> None:
         """A new generation: what earlier ones taught about acceptance is kept at :data:`CARRIED` of its weight (a
         new text may suit the drafter better or worse, and depths the plan stopped trying would keep a stale rate)."""
-        self.cut_steps = self.skipped_steps = 0
+        self.cut_steps = self.skipped_steps = self.gated_steps = 0
+        self._search_ms = None
         self._reached *= CARRIED
         self._accepted *= CARRIED
         if self.window is not None:
@@ -202,6 +217,12 @@ class CostAwareDrafter(Drafter):
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         self._steps += 1
+        if self.search_gate is not None and not self.search_gate.due(self.inner.name):
+            # before the plan, whose arithmetic (~0.2 ms) is itself a share of a SmolLM2 step
+            self.gated_steps += 1
+            self._proposed = False
+            self._depth = 0
+            return root_only(int(context[-1]))
         self._cost_now = self._curve.at(context.shape[0])
         planned = self.plan(budget)
         self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
@@ -225,7 +246,10 @@ class CostAwareDrafter(Drafter):
             return tree
         # a drafter that pays per drafted token drafts only what is planned; retrieval returns what it finds
         asked = planned if self.draft_cost(1) > 0 else budget
+        started = time.perf_counter()
         tree = self.inner.propose(context, asked)
+        if self.search_gate is not None:
+            self._search_ms = 1e3 * (time.perf_counter() - started)
         self._learn_shape(tree, asked)
         depth = planned if self._exploring else self.best_depth(tree)
         if depth < int(tree.depths.max()):
@@ -248,6 +272,9 @@ class CostAwareDrafter(Drafter):
             return
         depth = min(self._depth, MAX_DEPTH)
         accepted = min(len(verdict.path), depth)
+        if self._search_ms is not None:  # each accepted token saved about a one-token step of the target
+            self.search_gate.searched(self.inner.name, self._search_ms, accepted, self.cost(1))
+            self._search_ms = None
         self._reached *= DECAY
         self._accepted *= DECAY
         self._reached[1 : depth + 1] += 1
@@ -266,7 +293,7 @@ class CostAwareDrafter(Drafter):
         drafter's own :meth:`learned`."""
         return {"depths": (self._reached, self._accepted, self._asked, self._deep, self._nodes),
                 "backoff": self._backoff, "window": None if self.window is None else self.window.rates,
-                "inner": self.inner.learned()}
+                "search_gate": self.search_gate, "inner": self.inner.learned()}
 
     def resume(self, learned: object) -> None:
         if not isinstance(learned, dict):
@@ -276,13 +303,17 @@ class CostAwareDrafter(Drafter):
         self._next_explore = self._steps + self._backoff.interval
         if self.window is not None and learned["window"] is not None:
             self.window.rates = learned["window"]
+        if self.search_gate is not None and isinstance(learned.get("search_gate"), SourceGate):
+            self.search_gate = learned["search_gate"]
         if learned["inner"] is not None:
             self.inner.resume(learned["inner"])
 
     def report(self) -> dict:
         window = {"window_stops": self.window.stops} if self.window is not None else {}
+        gate = {} if self.search_gate is None else {"search_gate": self.search_gate.report()[self.inner.name],
+                                                    "gated_steps": self.gated_steps}
         return {**self.inner.report(), "cost_cut_steps": self.cut_steps, "cost_skipped_steps": self.skipped_steps,
-                **window}
+                **window, **gate}
 
     def problems(self) -> list[str]:
         return self.inner.problems()
