@@ -277,6 +277,37 @@ def test_a_retrieval_search_that_saves_less_than_it_takes_is_run_every_few_steps
     assert costly.search_gate is None
 
 
+class _ColdFirstSearch(_Chain):
+    """A retrieval drafter whose first search of a generation takes 0.2 s (a store's pages first touched), the
+    others nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = True
+
+    def begin(self, prompt):
+        self.first = True
+
+    def propose(self, context, budget):
+        if self.first:
+            time.sleep(0.2)
+            self.first = False
+        return super().propose(context, budget)
+
+
+def test_a_generations_slow_first_search_does_not_price_the_search_out():
+    # 2 ms steps, one accepted token a search (2 ms saved) against ~0 ms searches: it pays; counting the first
+    # search's 200 ms would have gated it for the rest of the run
+    flat = CostCurve((1, 8, 64), (2.0, 2.0, 8.0), {}).cost
+    inner = _ColdFirstSearch()
+    drafter = CostAwareDrafter(inner, flat, explore_every=1000, max_explore_every=1000)
+    for _ in range(2):
+        drafter.begin(np.array([7]))
+        _run(drafter, 40, accepted=lambda tree: 1)
+    assert drafter.gated_steps == 0 and len(inner.budgets) == 80
+    assert drafter.report()["search_gate"]["searches"] == 78  # each generation's first search is not counted
+
+
 def test_the_plan_and_the_cut_read_as_the_formulas_say_on_random_histories():
     # the plan reads its rates, shapes and costs in arrays (every step, for every cost-aware method): its choices
     # are those of the formulas written out one depth at a time, on random acceptance counts, tree shapes, other
