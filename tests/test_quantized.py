@@ -607,7 +607,6 @@ def test_a_float_weight_rounded_to_4_bits_lands_within_half_a_step_of_every_elem
     assert torch.equal(rounded.dequantize()[0, :32], weight[0, :32])
 
 
-
 def test_rounding_a_weight_a_few_rows_at_a_time_gives_the_whole_weight_rounding_and_leaves_the_weight_alone(
         monkeypatch):
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(4)) * 0.05
@@ -617,14 +616,14 @@ def test_rounding_a_weight_a_few_rows_at_a_time_gives_the_whole_weight_rounding_
     bias, step = q._float16_grid(groups.amin(dim=-1), groups.amax(dim=-1))
     whole = torch.round((groups - bias[..., None]) / torch.where(step > 0, step, 1.0)[..., None])
     whole = whole.clamp(0, 15).to(torch.uint8).reshape(48, 64)
-    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 3 * 64 + 1)  # chunks of 3 rows, the last one of 48 % 3 = 0 -> 3
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 3 * 64 + 1)  # chunks of 3 rows, 16 of them
     (chunked,) = q.quantize_4bit(weight)
-    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 7 * 64)  # 7 rows, a last chunk of 6
-    (other,) = q.quantize_4bit(weight.to(torch.bfloat16).to(torch.float32))
-    assert torch.equal(chunked.codes, whole) and torch.equal(chunked.scales, step)
-    assert torch.equal(chunked.zeros, bias + 8 * step)
+    monkeypatch.setattr(q, "QUANTIZE_CHUNK", 7 * 64)  # chunks of 7 rows, the last of 6
+    (uneven,) = q.quantize_4bit(weight)
+    for rounded in (chunked, uneven):
+        assert torch.equal(rounded.codes, whole) and torch.equal(rounded.scales, step)
+        assert torch.equal(rounded.zeros, bias + 8 * step)
     assert torch.equal(weight, kept)  # rounded in copies, never in the caller's tensor
-    assert other.codes.shape == (48, 64) and other.scales.shape == (48, 2)
 
 def test_a_float32_checkpoint_draft_runs_its_weights_rounded_to_4_bits_and_no_output_changes(tmp_path):
     kernels, reason = q.resolve_kernel("auto")

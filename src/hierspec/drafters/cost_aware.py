@@ -108,7 +108,6 @@ class CostAwareDrafter(Drafter):
         #: whether a step searches at all, for a retrieval drafter (``None`` for drafters that pay per token)
         self.search_gate = SourceGate([inner.name]) if self.window is None and inner.draft_cost(1) == 0 else None
         self._search_ms: float | None = None  # the step's search, until its verdict is accounted
-        self._first_search = True  # a generation's first search is not accounted (see propose)
         self.gated_steps = 0
 
     def cost(self, rows: int) -> float:
@@ -134,7 +133,8 @@ class CostAwareDrafter(Drafter):
         new text may suit the drafter better or worse, and depths the plan stopped trying would keep a stale rate)."""
         self.cut_steps = self.skipped_steps = self.gated_steps = 0
         self._search_ms = None
-        self._first_search = True
+        if self.search_gate is not None:
+            self.search_gate.begin()  # the generation's first search is not counted
         self._reached *= CARRIED
         self._accepted *= CARRIED
         if self.window is not None:
@@ -250,12 +250,7 @@ class CostAwareDrafter(Drafter):
         asked = planned if self.draft_cost(1) > 0 else budget
         started = time.perf_counter()
         tree = self.inner.propose(context, asked)
-        if self.search_gate is not None and self._first_search:
-            # a generation's first search reads its prompt into per-generation indexes, and a process's first one
-            # touches the store's pages (REST's code store on Qwen2.5-Coder-1.5B: 141 ms, then 0.03-5 ms): counted,
-            # it would price the search out for hundreds of steps
-            self._first_search = False
-        elif self.search_gate is not None:
+        if self.search_gate is not None:
             self._search_ms = 1e3 * (time.perf_counter() - started)
         self._learn_shape(tree, asked)
         depth = planned if self._exploring else self.best_depth(tree)
