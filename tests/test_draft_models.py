@@ -11,7 +11,7 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.draft_lm import CATCH_UP_ROWS, DraftLM, check_same_tokenizer, self_drafting_model, shortlist_tokens
 from hierspec.drafters import NoDrafter, PromptLookupConfig, PromptLookupDrafter
 from hierspec.drafters.cost_aware import CostAwareDrafter
-from hierspec.drafters.deferred_start import DeferredStart
+from hierspec.drafters.deferred_start import RENT, DeferredStart
 from hierspec.drafters.draft_model import DraftModelConfig, DraftModelDrafter, EntropyThreshold, entropy
 from hierspec.drafters.hierarchy import HierarchyConfig, HierarchyDrafter, draft_model_of
 from hierspec.drafters.hsddw import HSDDWConfig, HSDDWDrafter
@@ -396,6 +396,27 @@ def test_deferred_start_waits_until_the_forgone_steps_pay_for_the_prompt(small):
         assert not start.started and start.deferred_steps == 0
 
 
+def test_deferred_start_rents_no_more_than_a_best_case_draft_saves(small):
+    """A target step costs 4 ms whatever its rows. A draft of up to 4 tokens at 3.6 ms each is at best
+    max_d (1 + d) 4 / (3.6 d + 4) = 20 / 18.4 times faster (d = 4): a step without it forgoes 1 - 18.4/20 = 8 % of
+    a step (0.32 ms), and a 40-token prompt's reading (0.5 ms a token) is never paid for in 20 steps; at 1 ms a token
+    the best case is 2.5x, so the rent stays the fixed half step (3 steps deferred, as without ``deepest``:
+    16 + 2k >= 0.5 (39 + k)); a draft as slow as the target forgoes nothing."""
+    prompt = np.arange(40, dtype=np.int64) % VOCAB
+    step = lambda rows: 4.0  # noqa: E731
+    for per_token, share, deferred in ((3.6, 0.08, 20), (1.0, 0.5, 3), (4.0, 0.0, 20)):
+        lm = DraftLM(small, step_cost=lambda rows, t=per_token: t if rows == 1 else 0.5 * rows)
+        start = DeferredStart(lm, deepest=4)
+        assert start.rent_share(step) == pytest.approx(share)
+        ready = [start.ready(np.append(prompt, np.ones(k, dtype=np.int64)), step) for k in range(20)]
+        assert ready == [False] * deferred + [True] * (20 - deferred)
+    assert DeferredStart(lm).rent_share(step) == RENT  # without deepest: the rent as given
+    assert DraftModelDrafter(lm, DraftModelConfig(k=3)).start.deepest == 3  # sd's drafts hold up to k tokens
+    assert DeferredStart(lm, deepest=4).ready(prompt[: CATCH_UP_ROWS + 1], step)  # nothing to read: at once
+    with pytest.raises(ValueError, match="deepest"):
+        DeferredStart(lm, deepest=0)
+
+
 def test_deferred_start_starts_at_once_without_a_prompt_to_read_or_a_cost(small):
     priced = DraftLM(small, step_cost=lambda rows: 50.0)
     step = lambda rows: 1.0  # noqa: E731
@@ -446,24 +467,27 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
 def test_steps_the_cost_aware_plan_skips_count_toward_the_draft_models_start(target, small):
     """A draft step at 6 ms against a flat 10 ms target step: at the prior's one-in-two acceptance drafting does not
     pay (1.5 tokens in 16 ms), so the plan skips every step but the explorations (every 8th) until it has seen the
-    draft accepted. A 60-token prompt the draft's curve prices at 59 ms starts the draft model after 5 steps of rent
-    (8 x 5 + 5 k >= 59 + k); were only the explorations counted, 40 steps would not reach it and nothing would ever
-    be drafted or learnt. Plain decoding's tokens either way."""
+    draft accepted. A 60-token prompt the draft's curve prices at 59 ms starts HSDDW's middle model after 5 steps of
+    rent (8 x 5 + 5 k >= 59 + k), and ``sd``'s draft after 16: its 4-token drafts are at best 50 / 34 times faster
+    than plain decoding, so a step without it forgoes 1 - 34/50 of a step, 3.2 ms (8 x 3.2 + 3.2 k >= 59 + k);
+    were only the explorations counted, 40 steps would not reach either and nothing would ever be drafted or
+    learnt. Plain decoding's tokens either way."""
     def draft_curve(rows):
         return 6.0 if rows == 1 else float(rows)
 
     rng = np.random.default_rng(4)
     motif = rng.integers(1, VOCAB, size=12).tolist()
     prompt = motif * 5
-    for drafter in (DraftModelDrafter(DraftLM(small, step_cost=draft_curve), DraftModelConfig(k=4)),
-                    HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.0), DraftModelConfig(k=2)),
-                                 DraftLM(self_drafting_model(target, 3), step_cost=draft_curve),
-                                 HSDDWConfig(tau=3.0, max_block=4))):
+    for drafter, deferred in (
+            (DraftModelDrafter(DraftLM(small, step_cost=draft_curve), DraftModelConfig(k=4)), 16),
+            (HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.0), DraftModelConfig(k=2)),
+                          DraftLM(self_drafting_model(target, 3), step_cost=draft_curve),
+                          HSDDWConfig(tau=3.0, max_block=4)), 5)):
         wrapped = CostAwareDrafter(drafter, lambda rows: 10.0)
         _check_identity(target, wrapped, [prompt], max_new_tokens=40)
         report = drafter.report()
         assert wrapped.skipped_steps > 0  # the plan skipped steps before it learnt the draft's acceptance
-        assert 0 < report["deferred_steps"] <= 8, report  # counted on skipped steps too
+        assert report["deferred_steps"] == deferred, report  # counted on skipped steps too
         forwards = report["draft_forwards"] if "draft_forwards" in report else report["middle_forwards"]
         assert forwards > 0, (type(drafter).__name__, report)  # the explorations after the start drafted
 

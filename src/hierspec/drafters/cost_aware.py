@@ -46,7 +46,7 @@ from hierspec.drafters.base import Drafter
 from hierspec.drafters.exploration import MOST_STEPS_BETWEEN, ExplorationBackOff
 from hierspec.drafters.scored import ContextCost
 from hierspec.drafters.source_gate import SourceGate
-from hierspec.drafters.token_window import TokenWindow
+from hierspec.drafters.token_window import TokenWindow, best_case_speedup
 from hierspec.tree import DraftTree, root_only
 
 log = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ class CostAwareDrafter(Drafter):
         accepted (computed once; drafting costs do not change within a process)."""
         if self._ceiling is None:
             plain, drafting = self.cost(1), self.draft_costs()
-            self._ceiling = max((1 + d) * plain / (drafting[d] + self.cost(1 + d)) for d in range(1, deepest + 1))
+            self._ceiling = best_case_speedup(self.cost, lambda d: drafting[d], deepest)
             if self._ceiling < MIN_CEILING:
                 log.warning("%s: drafting cannot pay on this machine (%.1f ms per drafted token against %.1f ms per "
                             "target step; at best %.2fx with every draft accepted): decoding without drafts",

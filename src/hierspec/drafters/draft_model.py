@@ -123,7 +123,7 @@ class DraftModelDrafter(Drafter):
         self._entropies: list[float] = []
         self.windows: list[int] = []
         self.window: TokenWindow | None = None
-        self.start = DeferredStart(lm, defer=self.config.defer)
+        self.start = DeferredStart(lm, defer=self.config.defer, deepest=self.config.k)
 
     def prepare(self, sampling: SamplingConfig, generator: torch.Generator) -> None:
         self.sampler.prepare(sampling, generator)

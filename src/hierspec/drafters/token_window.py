@@ -63,6 +63,14 @@ class ConfidenceRates:
         self._trials *= weight
 
 
+def best_case_speedup(verify_ms: Callable[[int], float], draft_ms: Callable[[int], float], deepest: int) -> float:
+    """How many times faster than plain decoding a draft of up to ``deepest`` tokens decodes if every token it drafts
+    is accepted: the best ``(1 + d) c(1) / (δ(d) + c(1 + d))`` over ``d = 1..deepest`` (``c``: ``verify_ms`` by rows,
+    ``δ``: ``draft_ms`` by tokens); 1 for ``deepest < 1``."""
+    plain = verify_ms(1)
+    return max([(1 + d) * plain / (draft_ms(d) + verify_ms(1 + d)) for d in range(1, deepest + 1)], default=1.0)
+
+
 class TokenWindow:
     """The per-step window of a drafter that drafts token by token.
 
@@ -105,6 +113,10 @@ class TokenWindow:
             return True
         self.stops += 1
         return False
+
+    def best_speedup(self, deepest: int) -> float:
+        """:func:`best_case_speedup` of this window's costs."""
+        return best_case_speedup(self.verify_ms, self.draft_ms, deepest)
 
     def learn(self, drafted: int, accepted: int) -> None:
         """The verdict on this proposal: of its first ``drafted`` tokens (those verified), ``accepted`` passed."""
