@@ -405,6 +405,8 @@ class HierarchyDrafter(Drafter):
         self.acceptance.reset_calibration()
         self._scored = None
         self._searched, self._searches = None, 0
+        if self.source_gate is not None:
+            self.source_gate.begin()  # a store's first search in a process touches its pages (statistics: ~200 ms)
         self.context_db.reset()
         self.context_db.feed_context(prompt)
         for database in (self.automaton, self.outputs, self.head):
