@@ -216,6 +216,22 @@ def test_a_drafter_that_cannot_pay_never_runs(caplog):
     assert "drafting cannot pay" in caplog.text
 
 
+def test_the_floor_grants_a_good_draft_models_acceptance_not_every_token():
+    """SmolLM2's int4 curve as `hierspec calibrate` measured it (6.0 / 6.4 / 6.9 / 9.1 / 14.1 ms at 1 / 2 / 4 / 8 /
+    16 rows) and its 90 %-layer self-draft at 0.86 of a step a token (5.16 ms): with every token accepted a 2-token
+    draft would reach 3 x 6 / (10.32 + c(3) = 6.65) = 1.061x, over the 1.05x floor, but at 4 in 5 accepted the best
+    is 1.8 x 6 / (5.16 + 6.4) = 0.934x, so it never drafts. Qwen2.5-Coder-0.5B for the 1.5B (12.4 ms a token
+    against 43.1 / 42.7 / 47.5 / 63.3 / 118.5 ms) reaches 2.44 x 43.1 / (24.8 + c(3) = 45.1) = 1.504x at depth 2."""
+    smol = CostCurve((1, 2, 4, 8, 16), (6.0, 6.4, 6.9, 9.1, 14.1), {}).cost
+    inner = _Chain(ms=5.16)
+    drafter = CostAwareDrafter(inner, smol, explore_every=2)
+    sizes = _run(drafter, 50, accepted=lambda tree: tree.size - 1)
+    assert inner.budgets == [] and set(sizes) == {1}
+    assert drafter._ceiling == pytest.approx(1.8 * 6.0 / (5.16 + 6.4))
+    qwen = CostAwareDrafter(_Chain(ms=12.4), CostCurve((1, 2, 4, 8, 16), (43.1, 42.7, 47.5, 63.3, 118.5), {}).cost)
+    assert qwen.can_pay(8) and qwen._ceiling == pytest.approx((1 + 0.8 + 0.64) * 43.1 / (2 * 12.4 + 45.1))
+
+
 class _FreeFallback(_Chain):
     """A costly chain that can also offer the free draft ``9 9`` (as HSDDW offers its retrieval level alone)."""
 

@@ -63,12 +63,16 @@ class ConfidenceRates:
         self._trials *= weight
 
 
-def best_case_speedup(verify_ms: Callable[[int], float], draft_ms: Callable[[int], float], deepest: int) -> float:
-    """How many times faster than plain decoding a draft of up to ``deepest`` tokens decodes if every token it drafts
-    is accepted: the best ``(1 + d) c(1) / (δ(d) + c(1 + d))`` over ``d = 1..deepest`` (``c``: ``verify_ms`` by rows,
-    ``δ``: ``draft_ms`` by tokens); 1 for ``deepest < 1``."""
+def best_case_speedup(verify_ms: Callable[[int], float], draft_ms: Callable[[int], float], deepest: int,
+                      acceptance: float = 1.0) -> float:
+    """How many times faster than plain decoding a draft of up to ``deepest`` tokens decodes at best if each token it
+    drafts is accepted with chance ``acceptance`` (1: every one): the best ``(1 + a + … + a^d) c(1) / (δ(d) +
+    c(1 + d))`` over ``d = 1..deepest`` (``c``: ``verify_ms`` by rows, ``δ``: ``draft_ms`` by tokens); 1 for
+    ``deepest < 1``."""
     plain = verify_ms(1)
-    return max([(1 + d) * plain / (draft_ms(d) + verify_ms(1 + d)) for d in range(1, deepest + 1)], default=1.0)
+    expected = np.cumsum(acceptance ** np.arange(deepest + 1, dtype=np.float64))  # tokens of a step, by depth
+    return max([float(expected[d]) * plain / (draft_ms(d) + verify_ms(1 + d)) for d in range(1, deepest + 1)],
+               default=1.0)
 
 
 class TokenWindow:
