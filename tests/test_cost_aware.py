@@ -12,7 +12,7 @@ from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
-from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth
+from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth, depth_rates
 from hierspec.drafters.scored import ContextCost
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
@@ -246,6 +246,21 @@ def test_a_step_the_plan_prices_out_sends_the_drafters_free_proposal_and_teaches
     assert inner.budgets == [] and sizes == [3] * 20 and drafter.skipped_steps == 20
     assert inner.observed == 20 and drafter._reached.sum() == drafter._accepted.sum() == 0
     assert drafter.propose(np.array([7]), 1).tokens.tolist() == [7, 9]  # within the budget
+
+
+def test_a_free_proposal_is_cut_by_the_acceptance_seen_on_free_proposals():
+    """The free ``9 9`` of a drafter that cannot pay, on CPU_LIKE (60 / 96 / 96.67 ms at 1 / 2 / 3 rows): fresh, the
+    whole of it (1 + 0.5 + 0.25 tokens in 96.67 ms beats 1 in 60); once nothing is accepted the rates fall (one
+    rejected tree: r1 = 1 / 3, r2 = 2 r1^2 / 3 = 2 / 27; 1.41 / 96.67 < 1 / 60) and the root goes alone — the planned drafts'
+    counts untouched. Accepted in full, it stays whole."""
+    inner = _FreeFallback(ms=54.0)
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=2)
+    assert _run(drafter, 1, accepted=lambda tree: 0) == [3]
+    assert np.allclose(depth_rates(drafter._free_accepted, drafter._free_reached, 2), [1 / 3, 2 / 27])
+    assert _run(drafter, 9, accepted=lambda tree: 0) == [1] * 9 and drafter.cut_steps == 9 and inner.budgets == []
+    assert drafter._reached.sum() == drafter._accepted.sum() == 0
+    whole = CostAwareDrafter(_FreeFallback(ms=54.0), CPU_LIKE.cost)
+    assert _run(whole, 10, accepted=lambda tree: tree.size - 1) == [3] * 10
 
 
 def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pays():
