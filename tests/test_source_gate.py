@@ -46,6 +46,16 @@ def test_a_database_that_saves_less_than_it_costs_is_searched_ever_more_rarely_u
     assert gate.report()["statistics"]["interval"] == 32
 
 
+def test_a_database_whose_search_costs_at_most_a_hundredth_of_a_step_is_never_gated():
+    """0.05 ms against a 5 ms step (1 %) is searched every step though its tokens are never accepted; 0.06 ms (1.2 %)
+    is gated as any other."""
+    cheap = SourceGate(["successors"], warmup=4)
+    assert due_pattern(cheap, "successors", 60, ms=0.05, accepted=0) == "S" * 60
+    assert cheap.report()["successors"]["interval"] == 1
+    dearer = SourceGate(["successors"], warmup=4)
+    assert due_pattern(dearer, "successors", 7, ms=0.06, accepted=0) == "SSSS" + ".S."
+
+
 def test_a_database_whose_tokens_save_more_than_its_search_is_searched_every_step():
     gate = SourceGate(["head"], warmup=4)
     # one accepted token every other search at 5 ms a token: 2.4-5 ms saved per search against 1.5 ms
