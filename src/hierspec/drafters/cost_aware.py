@@ -206,12 +206,22 @@ class CostAwareDrafter(Drafter):
                             self.inner.name, self.draft_cost(1), plain, self._ceiling, round(100 * FLOOR_ACCEPTANCE))
         return self._ceiling >= MIN_CEILING
 
-    def best_depth(self, tree: DraftTree) -> int:
-        """The cut depth of a proposed tree with the most expected tokens per millisecond of verification."""
+    def best_depth(self, tree: DraftTree, free: bool = False) -> int:
+        """The cut depth of a proposed tree with the most expected tokens per millisecond of verification, read with
+        the planned drafts' acceptance (``free``: the free proposals')."""
         deepest = min(int(tree.depths.max()), MAX_DEPTH)
         nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
         rows, tokens = self._shared
-        return _most_per_ms(self.rates(deepest), self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
+        rates = (depth_rates(self._free_accepted, self._free_reached, deepest) if free else self.rates(deepest))
+        return _most_per_ms(rates, self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
+
+    def _cut(self, tree: DraftTree, depth: int) -> DraftTree:
+        """``tree`` cut to ``depth`` (counted in :attr:`cut_steps` when that drops nodes); the step's depth kept."""
+        if depth < int(tree.depths.max()):
+            self.cut_steps += 1
+            tree = cut_to_depth(tree, depth)
+        self._depth = int(tree.depths.max())
+        return tree
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -250,30 +260,14 @@ class CostAwareDrafter(Drafter):
         if self.search_gate is not None:
             self._search_ms = 1e3 * (time.perf_counter() - started)
         self._learn_shape(tree, asked)
-        depth = planned if self._exploring else self.best_depth(tree)
-        if depth < int(tree.depths.max()):
-            self.cut_steps += 1
-            tree = cut_to_depth(tree, depth)
-        self._depth = int(tree.depths.max())
-        return tree
+        return self._cut(tree, planned if self._exploring else self.best_depth(tree))
 
     def _cut_free(self, tree: DraftTree) -> DraftTree:
         """A free proposal cut to the depth with the most expected tokens per millisecond of verification, read
         with the acceptance seen on free proposals (HSDDW's retrieval level sent alone: uncut, prompt lookup's up
         to 16-token trees cost SmolLM2's `hsddw` 1.150x `ar` against `pld`'s 1.264x on 26 dev questions)."""
-        deepest = min(int(tree.depths.max()), MAX_DEPTH)
-        self._free = deepest > 0
-        if not self._free:
-            return tree
-        nodes_up_to = np.cumsum(np.bincount(tree.depths, minlength=deepest + 1))[: deepest + 1]
-        rows, tokens = self._shared
-        depth = _most_per_ms(depth_rates(self._free_accepted, self._free_reached, deepest),
-                             self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
-        if depth < deepest:
-            self.cut_steps += 1
-            tree = cut_to_depth(tree, depth)
-        self._depth = int(tree.depths.max())
-        return tree
+        self._free = tree.num_drafted > 0
+        return self._cut(tree, self.best_depth(tree, free=True)) if self._free else tree
 
     def _learn_shape(self, tree: DraftTree, asked: int) -> None:
         depth = min(int(tree.depths.max()), MAX_DEPTH)

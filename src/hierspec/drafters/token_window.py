@@ -118,10 +118,6 @@ class TokenWindow:
         self.stops += 1
         return False
 
-    def best_speedup(self, deepest: int) -> float:
-        """:func:`best_case_speedup` of this window's costs."""
-        return best_case_speedup(self.verify_ms, self.draft_ms, deepest)
-
     def learn(self, drafted: int, accepted: int) -> None:
         """The verdict on this proposal: of its first ``drafted`` tokens (those verified), ``accepted`` passed."""
         self.rates.record(self.confidences[:drafted], accepted)
