@@ -11,7 +11,7 @@ from hierspec.runtime.decoder import Int4Layers
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.tree import build_tree
 from test_exact_attention import _ancestry, random_sequence_mask
-from test_quantized import _int4_target, _tiny
+from test_quantized import _int4_target, _tiny, _tiny_k_quant
 from tiny import assert_tree_rows_equal_chains
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -265,3 +265,81 @@ def test_the_layer_stack_equals_one_compiled_call_per_layer(module, tmp_path):
 
 def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_path):
     assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), attention="exact"))
+
+
+def _stack(module, decoder, team: bool):
+    """The decoder's layers in an ``ExactLayerStack`` with or without a helper thread."""
+    stack = module.ExactLayerStack(decoder.eps, decoder.scaling, decoder.heads, decoder.kv_heads, decoder.head_dim,
+                                   team)
+    for layer in decoder.layers:
+        stack.add(layer.norm1, layer.qkv.native, layer.qkv.bias, layer.norm2, layer.out.native, layer.gate_up.native,
+                  layer.down.native, layer.gate_up.widths[0])
+    return stack
+
+
+def _stack_inputs(decoder, rows: int, past: int, seed: int):
+    """Random hidden rows, their rotation, a chain's plan after ``past`` cached entries and random float32 buffers."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, decoder.embedding.shape[1], generator=gen)
+    cos, sin = decoder._rotation(torch.arange(past, past + rows))
+    width = past + rows + 8
+    mask = torch.zeros(rows, width, dtype=torch.bool)
+    for r in range(rows):
+        mask[r, : past + r + 1] = True
+    indptr, indices, blocks = _tensors(ExactPlan(mask))
+    buffers = [[torch.randn(decoder.kv_heads, width, decoder.head_dim, generator=gen) for _ in range(2)]
+               for _ in decoder.layers]
+    writes = torch.zeros(rows, dtype=torch.long), torch.arange(past, past + rows)
+    return hidden, cos, sin, buffers, writes, (indptr, indices, blocks)
+
+
+@pytest.mark.parametrize("model", ["llama", "k-quant"])
+def test_a_forward_with_a_helper_thread_equals_one_without_bit_for_bit(module, tmp_path, model):
+    """Few rows over integer products run as a team (the helper takes at::parallel_for's second chunk of every
+    product and attention call and fetches the next layer's weights between them): the same hidden states and cache
+    entries as without, bit for bit, on two threads and on one."""
+    files = _tiny(tmp_path) if model == "llama" else _tiny_k_quant(tmp_path)
+    target = _int4_target(*files, "vnni8", attention="exact")
+    decoder = target.runtime.decoder
+    if decoder._fused is None or not decoder._fused.attends:
+        pytest.skip("the compiled layers do not attend here")
+    team, alone = _stack(module, decoder, True), _stack(module, decoder, False)
+    assert team.runs_as_team(1) and team.runs_as_team(64) and not team.runs_as_team(65)
+    assert not alone.runs_as_team(1)
+    # another kernel's products would run on one thread inside a team: never one there
+    other = _int4_target(*files, "compiled", attention="exact").runtime.decoder
+    assert not _stack(module, other, True).runs_as_team(1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for rows in (1, 3, 8, 20):
+                hidden, cos, sin, buffers, writes, plan = _stack_inputs(decoder, rows, 30, seed=rows)
+                copies = [[b.clone() for b in pair] for pair in buffers]
+                got = team.forward(hidden, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], *writes, *plan)
+                want = alone.forward(hidden, cos, sin, [k for k, _ in copies], [v for _, v in copies], *writes, *plan)
+                assert torch.equal(got, want), (threads, rows)
+                assert all(torch.equal(a, b) for pair, copy in zip(buffers, copies) for a, b in zip(pair, copy))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_error_inside_a_team_forward_reaches_the_caller_and_the_next_forward_runs(module, tmp_path):
+    """Float64 buffers pass the stack's shape checks and fail at the first layer's attention, on the team's own
+    thread while the helper waits: the error is raised, and the helper has stopped (the next forward completes)."""
+    target = _int4_target(*_tiny(tmp_path), "vnni8", attention="exact")
+    decoder = target.runtime.decoder
+    if decoder._fused is None or not decoder._fused.attends:
+        pytest.skip("the compiled layers do not attend here")
+    team = _stack(module, decoder, True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        hidden, cos, sin, buffers, writes, plan = _stack_inputs(decoder, 2, 10, seed=1)
+        doubles = [[b.double() for b in pair] for pair in buffers]
+        with pytest.raises(RuntimeError, match="float32 or float16"):
+            team.forward(hidden, cos, sin, [k for k, _ in doubles], [v for _, v in doubles], *writes, *plan)
+        out = team.forward(hidden, cos, sin, [k for k, _ in buffers], [v for _, v in buffers], *writes, *plan)
+        assert out.shape == hidden.shape and torch.isfinite(out).all()
+    finally:
+        torch.set_num_threads(before)

@@ -37,9 +37,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_attention", &exact_attention, "exact tree attention over float32 cache buffers, rows written first");
   m.def("exact_layer", &exact_layer, "an int4 layer with exact tree attention over its cache buffers");
   pybind11::class_<ExactLayerStack>(m, "ExactLayerStack")
-      .def(pybind11::init<double, double, int64_t, int64_t, int64_t>())
+      .def(pybind11::init<double, double, int64_t, int64_t, int64_t, bool>())
       .def("add", &ExactLayerStack::add, "append the next layer's weights")
       .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
+      .def("runs_as_team", &ExactLayerStack::runs_as_team, "whether a forward of this many rows runs with a helper")
       .def("__len__", &ExactLayerStack::size);
   m.def("head_guess", &head_guess, "a draft head's k best shortlist entries and their probabilities, per row");
   m.def("row_topk", &row_topk, "each float32 row's NumPy argmax and k largest entries' indices, largest first");

@@ -574,7 +574,7 @@ class Int4Layers:
         """The extension's ``ExactLayerStack`` holding every layer's weights (made once)."""
         if self._stack is None:
             d = self._decoder
-            stack = self._module.ExactLayerStack(d.eps, d.scaling, d.heads, d.kv_heads, d.head_dim)
+            stack = self._module.ExactLayerStack(d.eps, d.scaling, d.heads, d.kv_heads, d.head_dim, True)
             for layer in d.layers:
                 stack.add(layer.norm1, layer.qkv.native, layer.qkv.bias, layer.norm2, layer.out.native,
                           layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_team.h"
 #include "int4_vectors.h"
 
 namespace {
@@ -491,7 +492,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& key, const at::Tensor& v
   const auto row_set = row_blocks(ptr, o.indices, o.blocks, rows, parts);
   const int64_t tasks = static_cast<int64_t>(row_set.size()) * kv_heads;
   const int64_t grain = indices.size(0) * heads < kParallelWork ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  hierspec_team::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     auto& scratch = thread_scratch<T>();
     for (int64_t task = begin; task < end; ++task)
       attend_block(o, row_set[task / kv_heads], task % kv_heads, scratch);
@@ -571,10 +572,31 @@ at::Tensor planned_layer(const at::Tensor& hidden, const ExactLayerWeights& w, d
   return mlp_block(hidden, attended, w.norm2, eps, w.out, w.gate_up, w.down, w.intermediate);
 }
 
+// A layer's integer products' weights, the helper's share of each, queued to be fetched in the order the forward
+// reads them (int4_team.h).
+void warm_layer(const ExactLayerWeights& w) {
+  for (const auto* projection : {&w.qkv, &w.out, &w.gate_up, &w.down})
+    for (const auto& stack : *projection) warm_helper_share(stack);
+}
+
+// Whether every product of the layer runs on the integer kernels, whose threads the team shares out (int4_vnni.cpp;
+// another kernel inside a team would run on one thread).
+bool integer_products(const ExactLayerWeights& w) {
+  for (const auto* projection : {&w.qkv, &w.out, &w.gate_up, &w.down})
+    for (const auto& stack : *projection)
+      if (stack.empty() || stack[0].is_mkldnn() || stack[0].dim() != 6) return false;
+  return true;
+}
+
 }  // namespace
 
-ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim)
-    : eps_(eps), scale_(scale), heads_(heads), kv_heads_(kv_heads), dim_(dim) {}
+ExactLayerStack::ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim, bool team)
+    : eps_(eps), scale_(scale), heads_(heads), kv_heads_(kv_heads), dim_(dim), team_(team) {}
+
+bool ExactLayerStack::runs_as_team(int64_t rows) const {
+  return team_ && rows <= kTeamRows && !layers_.empty() &&
+         std::all_of(layers_.begin(), layers_.end(), integer_products);
+}
 
 void ExactLayerStack::add(const at::Tensor& norm1, const std::vector<std::vector<at::Tensor>>& qkv,
                           const c10::optional<at::Tensor>& bias, const at::Tensor& norm2,
@@ -597,9 +619,17 @@ at::Tensor ExactLayerStack::forward(at::Tensor hidden, const at::Tensor& cos, co
                 "every layer's key and value buffers alike in shape");
   check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys[0].size(0), keys[0].size(1),
              kv_heads_);
-  for (size_t i = 0; i < layers_.size(); ++i)
-    hidden = planned_layer(hidden, layers_[i], eps_, cos, signed_sin, heads_, kv_heads_, dim_, keys[i], values[i],
-                           write_blocks, write_slots, indptr, indices, blocks, scale_);
+  // each layer's weights queued a layer ahead: fetched while the layer before runs its one-thread parts
+  const auto layers = [&] {
+    warm_layer(layers_[0]);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      if (i + 1 < layers_.size()) warm_layer(layers_[i + 1]);
+      hidden = planned_layer(hidden, layers_[i], eps_, cos, signed_sin, heads_, kv_heads_, dim_, keys[i], values[i],
+                             write_blocks, write_slots, indptr, indices, blocks, scale_);
+    }
+  };
+  if (runs_as_team(hidden.size(0))) hierspec_team::with_team(layers);
+  else layers();
   return hidden;
 }
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_team.h"
 #include "int4_vectors.h"
 
 namespace {
@@ -243,7 +244,7 @@ at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double ep
   const RowsOf to(out);
   const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
+  hierspec_team::parallel_for(0, count, row_grain(width), [&](int64_t begin, int64_t end) {
     // float32 rows straight into the output (the decoding step's norms); bfloat16 ones through one row of float32
     std::vector<float> row(to.f != nullptr ? 0 : static_cast<size_t>(width));
     for (int64_t r = begin; r < end; ++r) {
@@ -272,7 +273,7 @@ at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
   const float* ups = up.data_ptr<float>();
   float* outs = act.data_ptr<float>();
   // rows shared between the threads from kParallelElements elements on (a 16-row SmolLM2 forward: ~0.4 ms alone)
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+  hierspec_team::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       silu_row(gates + r * gate.stride(0), ups + r * up.stride(0), width, outs + r * width);
   });

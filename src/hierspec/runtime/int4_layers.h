@@ -24,6 +24,9 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
                         const at::Tensor& units);
 at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                          const at::Tensor& units);
+// int4_vnni.cpp: the blocks of an integer product's stack {codes, scales, ...} that a team's helper computes, queued
+// to be fetched into the caches ahead (int4_team.h; nothing outside a team)
+void warm_helper_share(const std::vector<at::Tensor>& stack);
 // dense_onednn.cpp: float32 rows times a weight prepacked by oneDNN (bfloat16 or float32), in float32, at most
 // rows_per_call rows a call where it is positive
 at::Tensor dense_mm(const at::Tensor& rows, const at::Tensor& packed, int64_t rows_per_call);
@@ -87,7 +90,10 @@ struct ExactLayerWeights {
 // from Python instead of one each (a call converts ~20 arguments, nested lists of tensors among them)
 class ExactLayerStack {
  public:
-  ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim);
+  // rows up to which a forward runs as a team
+  static constexpr int64_t kTeamRows = 64;
+  // team: a forward of at most kTeamRows rows runs with a helper thread (int4_team.h)
+  ExactLayerStack(double eps, double scale, int64_t heads, int64_t kv_heads, int64_t dim, bool team);
   // the next layer's weights, as exact_layer takes them
   void add(const at::Tensor& norm1, const std::vector<std::vector<at::Tensor>>& qkv,
            const c10::optional<at::Tensor>& bias, const at::Tensor& norm2,
@@ -100,10 +106,13 @@ class ExactLayerStack {
                      const at::Tensor& write_blocks, const at::Tensor& write_slots, const at::Tensor& indptr,
                      const at::Tensor& indices, const at::Tensor& blocks) const;
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+  // whether a forward of `rows` rows runs with a helper thread: asked for, few rows, every product an integer one
+  bool runs_as_team(int64_t rows) const;
 
  private:
   double eps_, scale_;
   int64_t heads_, kv_heads_, dim_;
+  bool team_;
   std::vector<ExactLayerWeights> layers_;
 };
 

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_team.h"
 #include "int4_tiles.h"
 
 // Two builds of the same arithmetic: AVX512-VNNI's VPDPBUSD (16 outputs' int32 sums of 4 byte products at once), or
@@ -304,7 +305,7 @@ void rounded_rows(const float* x, int64_t rows, int64_t k, std::vector<int8_t>& 
   steps.resize(static_cast<size_t>(rows * per_row));
   int8_t* code = codes.data();
   RowStep* step = steps.data();
-  at::parallel_for(0, rows * per_row, kRoundGrain, [&](int64_t begin, int64_t end) {
+  hierspec_team::parallel_for(0, rows * per_row, kRoundGrain, [&](int64_t begin, int64_t end) {
     int64_t row = begin / per_row, s = begin % per_row;  // input step i is row i / per_row's step i % per_row
     for (int64_t i = begin; i < end; ++i) {
       const int64_t j = step_major(row, s, rows);
@@ -923,7 +924,7 @@ void block_all_rows(const Codes& w, const Source& source, const Rows& x, int64_t
 template <bool Two, class Source>
 void all_blocks(const Codes& w, const Source& source, bool eight, bool six, int64_t blocks, const Rows& x,
                 int64_t rows, float* out) {
-  at::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
+  hierspec_team::parallel_for(0, blocks, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {
       if (six) block_all_rows<Two, SixBit<Source>>(w, source, x, rows, block, out);
       else if (eight) block_all_rows<Two, EightBit<Source>>(w, source, x, rows, block, out);
@@ -990,6 +991,28 @@ int64_t vnni_width() {
 // Whether this build can run the integer products (compiled for a CPU with AVX512_VNNI and AVX512_BW, or with AVX2,
 // FMA and F16C).
 bool vnni_ready() { return vnni_width() > 0; }
+
+// Each tensor of the stack holds its blocks of 16 outputs along its first or second dimension (codes, scales
+// [1, N / 16, ...], biases [N / 16, ...], units [1 or 2, N / 16, ...]): the part of every outer slice from the
+// helper's first block on (all_blocks' split, as hierspec_team::parallel_for makes it).
+void warm_helper_share(const std::vector<at::Tensor>& stack) {
+#ifdef HIERSPEC_VNNI
+  if (stack.empty() || stack[0].dim() != 6) return;
+  const int64_t blocks = stack[0].size(1), first = hierspec_team::helper_begin(0, blocks, kGrain);
+  if (first >= blocks) return;
+  for (const auto& t : stack) {
+    if (!t.defined() || t.numel() == 0 || t.dim() < 2 || !t.is_contiguous()) continue;
+    const int along = t.size(0) == blocks ? 0 : t.size(1) == blocks ? 1 : -1;
+    if (along < 0) continue;
+    const int64_t outer = along == 0 ? 1 : t.size(0), slice = static_cast<int64_t>(t.nbytes()) / outer;
+    const char* data = static_cast<const char*>(t.data_ptr());
+    for (int64_t o = 0; o < outer; ++o)
+      hierspec_team::warm(data + o * slice + first * (slice / blocks), slice - first * (slice / blocks));
+  }
+#else
+  (void)stack;
+#endif
+}
 
 // The product with rows as two 8-bit codes an input (integer_product's arguments).
 at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
