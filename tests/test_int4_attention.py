@@ -297,7 +297,7 @@ def _stack_inputs(decoder, rows: int, past: int, seed: int):
 def test_a_forward_with_a_helper_thread_equals_one_without_bit_for_bit(module, tmp_path, model):
     """Few rows over integer products run as a team (the helper takes at::parallel_for's second chunk of every
     product and attention call and fetches the next layer's weights between them): the same hidden states and cache
-    entries as without, bit for bit, on two threads and on one."""
+    entries as without, bit for bit, on two threads, and on one or three (no team there)."""
     files = _tiny(tmp_path) if model == "llama" else _tiny_k_quant(tmp_path)
     target = _int4_target(*files, "vnni8", attention="exact")
     decoder = target.runtime.decoder
@@ -311,7 +311,7 @@ def test_a_forward_with_a_helper_thread_equals_one_without_bit_for_bit(module, t
     assert not _stack(module, other, True).runs_as_team(1)
     before = torch.get_num_threads()
     try:
-        for threads in (2, 1):
+        for threads in (2, 1, 3):  # a team on two threads only
             torch.set_num_threads(threads)
             for rows in (1, 3, 8, 20):
                 hidden, cos, sin, buffers, writes, plan = _stack_inputs(decoder, rows, 30, seed=rows)

@@ -136,11 +136,12 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::f
   if (team->error) std::rethrow_exception(team->error);
 }
 
-// body() with this thread and a helper as a team (two threads of PyTorch's pool, none busy elsewhere); else body()
-// alone. Whatever body throws is thrown here, after the helper has stopped.
+// body() with this thread and a helper as a team where PyTorch's pool has exactly two threads and none is busy
+// elsewhere; else body() alone, its calls shared out by at::parallel_for (with more threads a team of two would
+// leave the rest idle). Whatever body throws is thrown here, after the helper has stopped.
 template <class Body>
 void with_team(const Body& body) {
-  if (current != nullptr || at::in_parallel_region() || at::get_num_threads() < 2) {
+  if (current != nullptr || at::in_parallel_region() || at::get_num_threads() != 2) {
     body();
     return;
   }
