@@ -267,16 +267,6 @@ def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_p
     assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), attention="exact"))
 
 
-def _stack(module, decoder, team: bool):
-    """The decoder's layers in an ``ExactLayerStack`` with or without a helper thread."""
-    stack = module.ExactLayerStack(decoder.eps, decoder.scaling, decoder.heads, decoder.kv_heads, decoder.head_dim,
-                                   team)
-    for layer in decoder.layers:
-        stack.add(layer.norm1, layer.qkv.native, layer.qkv.bias, layer.norm2, layer.out.native, layer.gate_up.native,
-                  layer.down.native, layer.gate_up.widths[0])
-    return stack
-
-
 def _stack_inputs(decoder, rows: int, past: int, seed: int):
     """Random hidden rows, their rotation, a chain's plan after ``past`` cached entries and random float32 buffers."""
     gen = torch.Generator().manual_seed(seed)
@@ -303,12 +293,12 @@ def test_a_forward_with_a_helper_thread_equals_one_without_bit_for_bit(module, t
     decoder = target.runtime.decoder
     if decoder._fused is None or not decoder._fused.attends:
         pytest.skip("the compiled layers do not attend here")
-    team, alone = _stack(module, decoder, True), _stack(module, decoder, False)
+    team, alone = decoder._fused.new_stack(team=True), decoder._fused.new_stack(team=False)
     assert team.runs_as_team(1) and team.runs_as_team(64) and not team.runs_as_team(65)
     assert not alone.runs_as_team(1)
     # another kernel's products would run on one thread inside a team: never one there
     other = _int4_target(*files, "compiled", attention="exact").runtime.decoder
-    assert not _stack(module, other, True).runs_as_team(1)
+    assert not other._fused.new_stack(team=True).runs_as_team(1)
     before = torch.get_num_threads()
     try:
         for threads in (2, 1, 3):  # a team on two threads only
@@ -331,7 +321,8 @@ def test_an_error_inside_a_team_forward_reaches_the_caller_and_the_next_forward_
     decoder = target.runtime.decoder
     if decoder._fused is None or not decoder._fused.attends:
         pytest.skip("the compiled layers do not attend here")
-    team = _stack(module, decoder, True)
+    team = decoder._fused.layer_stack()
+    assert team.runs_as_team(2)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -571,15 +571,20 @@ class Int4Layers:
                                           compiled.write_slots, compiled.indptr, compiled.indices, compiled.blocks)
 
     def layer_stack(self):
-        """The extension's ``ExactLayerStack`` holding every layer's weights (made once)."""
+        """The extension's ``ExactLayerStack`` holding every layer's weights (made once, with a helper thread)."""
         if self._stack is None:
-            d = self._decoder
-            stack = self._module.ExactLayerStack(d.eps, d.scaling, d.heads, d.kv_heads, d.head_dim, True)
-            for layer in d.layers:
-                stack.add(layer.norm1, layer.qkv.native, layer.qkv.bias, layer.norm2, layer.out.native,
-                          layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])
-            self._stack = stack
+            self._stack = self.new_stack(team=True)
         return self._stack
+
+    def new_stack(self, team: bool):
+        """A new ``ExactLayerStack`` over every layer's weights; ``team``: forwards of few rows over integer products
+        on two threads keep both for the whole stack (``int4_team.h``), the same bits either way."""
+        d = self._decoder
+        stack = self._module.ExactLayerStack(d.eps, d.scaling, d.heads, d.kv_heads, d.head_dim, team)
+        for layer in d.layers:
+            stack.add(layer.norm1, layer.qkv.native, layer.qkv.bias, layer.norm2, layer.out.native,
+                      layer.gate_up.native, layer.down.native, layer.gate_up.widths[0])
+        return stack
 
     def activation(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` (the compiled one: the int4 path's on every call)."""

@@ -19,6 +19,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -572,17 +573,22 @@ at::Tensor planned_layer(const at::Tensor& hidden, const ExactLayerWeights& w, d
   return mlp_block(hidden, attended, w.norm2, eps, w.out, w.gate_up, w.down, w.intermediate);
 }
 
+// A layer's projections in the order the forward multiplies them
+std::array<const std::vector<std::vector<at::Tensor>>*, 4> projections(const ExactLayerWeights& w) {
+  return {&w.qkv, &w.out, &w.gate_up, &w.down};
+}
+
 // A layer's integer products' weights, the helper's share of each, queued to be fetched in the order the forward
 // reads them (int4_team.h).
 void warm_layer(const ExactLayerWeights& w) {
-  for (const auto* projection : {&w.qkv, &w.out, &w.gate_up, &w.down})
+  for (const auto* projection : projections(w))
     for (const auto& stack : *projection) warm_helper_share(stack);
 }
 
 // Whether every product of the layer runs on the integer kernels, whose threads the team shares out (int4_vnni.cpp;
 // another kernel inside a team would run on one thread).
 bool integer_products(const ExactLayerWeights& w) {
-  for (const auto* projection : {&w.qkv, &w.out, &w.gate_up, &w.down})
+  for (const auto* projection : projections(w))
     for (const auto& stack : *projection)
       if (stack.empty() || stack[0].is_mkldnn() || stack[0].dim() != 6) return false;
   return true;

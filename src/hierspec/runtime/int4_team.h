@@ -27,7 +27,7 @@ namespace hierspec_team {
 // what the helper is asked
 enum : int { kIdle = 0, kTask = 1, kDone = 2, kStop = 3 };
 
-// ranges of weights waiting to be fetched (a forward asks a layer or two ahead: ~10 ranges)
+// ranges of weights waiting to be fetched (a forward asks a layer ahead: a range per tensor of each product)
 constexpr int kRanges = 64;
 // bytes fetched between two looks at the task slot (~20 cache lines: the helper answers a task within ~100 ns)
 constexpr int64_t kWarmChunk = 1280;
@@ -114,11 +114,11 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const std::f
     return;
   }
   if (begin >= end) return;
-  if (helper_begin(begin, end, grain) == end) {
+  const int64_t middle = helper_begin(begin, end, grain);
+  if (middle == end) {
     f(begin, end);
     return;
   }
-  const int64_t middle = helper_begin(begin, end, grain);
   team->task = &f;
   team->begin = middle;
   team->end = end;

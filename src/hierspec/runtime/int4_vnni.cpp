@@ -1005,9 +1005,9 @@ void warm_helper_share(const std::vector<at::Tensor>& stack) {
     const int along = t.size(0) == blocks ? 0 : t.size(1) == blocks ? 1 : -1;
     if (along < 0) continue;
     const int64_t outer = along == 0 ? 1 : t.size(0), slice = static_cast<int64_t>(t.nbytes()) / outer;
+    const int64_t skipped = first * (slice / blocks);  // the calling thread's blocks of each slice
     const char* data = static_cast<const char*>(t.data_ptr());
-    for (int64_t o = 0; o < outer; ++o)
-      hierspec_team::warm(data + o * slice + first * (slice / blocks), slice - first * (slice / blocks));
+    for (int64_t o = 0; o < outer; ++o) hierspec_team::warm(data + o * slice + skipped, slice - skipped);
   }
 #else
   (void)stack;
