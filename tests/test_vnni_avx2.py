@@ -3,7 +3,7 @@ with ``-march=haswell`` where this CPU's own build is the AVX-512 one (a Zen 4, 
 the AVX2 one), it must give the float64 model's products and, bit for bit, those of the extension hierspec builds for
 this CPU, for 4-bit and 8-bit codes (and the 6-bit form against the same codes in 8 bits), stored and
 factored scales and any number of rows. The float32 dense products (``dense_f32.cpp``) are built with them and
-compared the same way."""
+compared the same way; a prompt's attention (``prompt_attention.cpp``, 8-lane vectors there) against SDPA."""
 
 from pathlib import Path
 
@@ -14,7 +14,8 @@ from hierspec.machine import cpuinfo_fields
 from hierspec.runtime import int4_kernel as k
 
 SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(k.__file__).with_name("int4_vnni8.cpp"),
-           Path(k.__file__).with_name("dense_f32.cpp"), Path(__file__).with_name("native") / "vnni_products.cpp"]
+           Path(k.__file__).with_name("dense_f32.cpp"), Path(k.__file__).with_name("prompt_attention.cpp"),
+           Path(__file__).with_name("native") / "vnni_products.cpp"]
 MODULE, REASON = k.compiled_kernel()
 
 
@@ -167,3 +168,15 @@ def test_the_avx2_build_of_the_float32_dense_products_equals_this_cpus_build(avx
     torch.testing.assert_close(ours.double(), rows.double() @ weight.double().T, rtol=1e-5, atol=1e-5)
     for count in (1, 2, 3, 7, 13):
         assert torch.equal(avx2.dense_f32_mm(rows[:count], packed), ours[:count]), count
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,rows", [(9, 3, 64, 1), (9, 3, 64, 77), (12, 2, 128, 30), (2, 2, 8, 19)])
+def test_the_avx2_build_of_the_prompt_attention_is_close_to_sdpa(avx2, heads, kv_heads, dim, rows):
+    generator = torch.Generator().manual_seed(rows)
+    states = torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=generator).transpose(1, 2)
+    query, keys, values = states[:, :heads], states[:, heads : heads + kv_heads], states[:, heads + kv_heads :]
+    assert avx2.prompt_attention_fits(dim)
+    out = avx2.prompt_attention(query, keys, values, dim ** -0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=dim ** -0.5,
+                                                                enable_gqa=heads != kv_heads)
+    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(rows, heads * dim), rtol=1e-5, atol=2e-6)

@@ -44,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &ExactLayerStack::size);
   m.def("head_guess", &head_guess, "a draft head's k best shortlist entries and their probabilities, per row");
   m.def("row_topk", &row_topk, "each float32 row's NumPy argmax and k largest entries' indices, largest first");
+  m.def("prompt_attention_fits", &prompt_attention_fits, "whether prompt_attention takes heads of this size");
+  m.def("prompt_attention", &prompt_attention, "a prompt's causal attention on an empty cache, float32");
   m.def("keep_entries", &keep_entries, "move kept cache entries to their final slots in every buffer");
 }

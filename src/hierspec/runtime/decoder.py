@@ -442,9 +442,13 @@ class LlamaFamilyDecoder:
 
     def _prompt_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Causal attention of a prompt's rows ``[1, heads, rows, d]`` over their own keys and values ``[1, kv_heads,
-        rows, d]`` (an empty cache before them) → ``[rows, heads * d]``: SDPA's causal flash kernel skips the masked
-        key blocks and reads the grouped heads in place."""
+        rows, d]`` (an empty cache before them) → ``[rows, heads * d]``: in float32 on the CPU the compiled kernel's
+        (``prompt_attention.cpp``: 1.2-4x faster than SDPA's flash kernel for SmolLM2's heads up to 800 tokens);
+        otherwise SDPA's causal flash kernel, which skips the masked key blocks and reads the grouped heads in
+        place."""
         rows, dtype = query.shape[2], self._prompt_dtype
+        if self._fused is not None and self._fused.attends_prompts(query, dtype):
+            return self._fused.prompt_attention(query.to(dtype), keys.to(dtype), values.to(dtype))
         out = F.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype), is_causal=True,
                                              scale=self.scaling, enable_gqa=self.heads != self.kv_heads)
         # left in the products' dtype: the output projection takes it as it is (widening it first was a round trip)
@@ -544,6 +548,17 @@ class Int4Layers:
             log.info("int4 layers run operation by operation: %s", reason or "biased output or MLP projections")
             return None
         return cls(module, decoder)
+
+    def attends_prompts(self, query: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether :meth:`prompt_attention` takes this prompt's queries ``[1, heads, rows, d]`` in ``dtype``: float32
+        on the CPU, a head size the kernel's vectors divide, a unit innermost stride."""
+        return (dtype == torch.float32 and query.device.type == "cpu" and query.stride(-1) == 1
+                and hasattr(self._module, "prompt_attention") and self._module.prompt_attention_fits(query.shape[-1]))
+
+    def prompt_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """A prompt's causal attention on an empty cache, ``[rows, heads * d]`` (``prompt_attention.cpp``)."""
+        values = values if values.stride(-1) == 1 else values.contiguous()
+        return self._module.prompt_attention(query, keys, values, self._decoder.scaling)
 
     def for_view(self, decoder: LlamaFamilyDecoder) -> Int4Layers:
         """The same compiled halves for another view of this decoder's weights (:meth:`LlamaFamilyDecoder.

@@ -61,7 +61,7 @@ Kept = TypeVar("Kept")
 SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "int4_vnni.cpp", "int4_vnni8.cpp", "bindings.cpp", "int4_kernel.cpp", "int4_blocks.cpp", "int4_amx.cpp",
     "int4_bf16.cpp", "int4_attention.cpp", "head_guess.cpp", "row_topk.cpp", "cache_keep.cpp", "dense_onednn.cpp",
-    "dense_bf16.cpp", "dense_f32.cpp"))
+    "dense_bf16.cpp", "dense_f32.cpp", "prompt_attention.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"),
            Path(__file__).with_name("int4_tiles.h"), Path(__file__).with_name("int4_team.h"))

@@ -130,3 +130,6 @@ std::tuple<at::Tensor, at::Tensor> row_topk(const at::Tensor& logits, int64_t k)
 
 // cache_keep.cpp
 void keep_entries(const std::vector<at::Tensor>& buffers, int64_t start, const at::Tensor& offsets);
+// prompt_attention.cpp: a prompt's causal attention on an empty cache, float32 (head sizes prompt_attention_fits)
+bool prompt_attention_fits(int64_t dim);
+at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values, double scale);
