@@ -51,27 +51,33 @@ struct Prompt {
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// scores[t][j] = scale * q_(r0 + t) . k_j for j < keys (keys a multiple of kLanes: the transposed keys are padded),
-// kParts vectors of keys at a time (each query element broadcast once for them)
+// scores[t][j .. j + P kLanes) = scale * q_(r0 + t) . k_j: P vectors of keys, each query element broadcast once for
+// them (P a constant, so that the T x P accumulators stay in registers)
+template <int T, int P>
+inline void score_span(const Prompt& p, const float* kt, const float* const (&q)[T], int64_t j, float* scores,
+                       int64_t stride) {
+  vf acc[T][P] = {};
+  for (int64_t d = 0; d < p.dim; ++d) {
+    vf k[P];
+    for (int c = 0; c < P; ++c) k[c] = load(kt + d * p.padded + j + c * kLanes);
+    for (int t = 0; t < T; ++t) {
+      const vf x = vf{} + q[t][d];
+      for (int c = 0; c < P; ++c) acc[t][c] = fmadd(x, k[c], acc[t][c]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int c = 0; c < P; ++c) store(scores + t * stride + j + c * kLanes, acc[t][c] * p.scale);
+}
+
+// the scores of rows r0 .. r0 + T against keys 0 .. keys (a multiple of kLanes: the transposed keys are padded)
 template <int T>
 void score_tile(const Prompt& p, int64_t head, int64_t r0, int64_t keys, float* scores, int64_t stride) {
   const float* kt = p.kt + (head / p.group) * p.dim * p.padded;
   const float* q[T];
   for (int t = 0; t < T; ++t) q[t] = p.q + head * p.q_head + (r0 + t) * p.q_row;
-  for (int64_t j = 0; j < keys; j += kParts * kLanes) {
-    const int parts = static_cast<int>(std::min<int64_t>(kParts, (keys - j) / kLanes));
-    vf acc[T][kParts] = {};
-    for (int64_t d = 0; d < p.dim; ++d) {
-      vf k[kParts];
-      for (int c = 0; c < parts; ++c) k[c] = load(kt + d * p.padded + j + c * kLanes);
-      for (int t = 0; t < T; ++t) {
-        const vf x = vf{} + q[t][d];
-        for (int c = 0; c < parts; ++c) acc[t][c] = fmadd(x, k[c], acc[t][c]);
-      }
-    }
-    for (int t = 0; t < T; ++t)
-      for (int c = 0; c < parts; ++c) store(scores + t * stride + j + c * kLanes, acc[t][c] * p.scale);
-  }
+  int64_t j = 0;
+  for (; j + kParts * kLanes <= keys; j += kParts * kLanes) score_span<T, kParts>(p, kt, q, j, scores, stride);
+  for (; j < keys; j += kLanes) score_span<T, 1>(p, kt, q, j, scores, stride);
 }
 
 // row r's scores over keys 0..r turned into exp(s - max), the rest of the padded range zero; returns their sum
@@ -103,28 +109,35 @@ float softmax_row(float* s, int64_t r, int64_t keys) {
   return total;
 }
 
-// out rows r0 .. r0 + T of `head`: the weights of each row times the values, divided by the row's sum
+// out rows r0 .. r0 + T of `head`, outputs d0 .. d0 + P kLanes: the rows' weights times the values, divided by each
+// row's sum (P a constant: the T x P accumulators stay in registers)
+template <int T, int P>
+inline void weigh_span(const Prompt& p, const float* v, int64_t head, int64_t r0, int64_t d0, int64_t keys,
+                       const float* weights, int64_t stride, const float* sums) {
+  vf acc[T][P] = {};
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* row = v + j * p.v_row + d0;
+    vf value[P];
+    for (int c = 0; c < P; ++c) value[c] = load(row + c * kLanes);
+    for (int t = 0; t < T; ++t) {
+      const vf w = vf{} + weights[t * stride + j];
+      for (int c = 0; c < P; ++c) acc[t][c] = fmadd(w, value[c], acc[t][c]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    float* o = p.out + (r0 + t) * p.heads * p.dim + head * p.dim + d0;
+    for (int c = 0; c < P; ++c) store(o + c * kLanes, acc[t][c] / sums[t]);
+  }
+}
+
 template <int T>
 void weigh_tile(const Prompt& p, int64_t head, int64_t r0, int64_t keys, const float* weights, int64_t stride,
                 const float* sums) {
   const float* v = p.v + (head / p.group) * p.v_head;
-  for (int64_t d0 = 0; d0 < p.dim; d0 += kParts * kLanes) {
-    const int parts = static_cast<int>(std::min<int64_t>(kParts, (p.dim - d0) / kLanes));
-    vf acc[T][kParts] = {};
-    for (int64_t j = 0; j < keys; ++j) {
-      const float* row = v + j * p.v_row + d0;
-      vf value[kParts];
-      for (int c = 0; c < parts; ++c) value[c] = load(row + c * kLanes);
-      for (int t = 0; t < T; ++t) {
-        const vf w = vf{} + weights[t * stride + j];
-        for (int c = 0; c < parts; ++c) acc[t][c] = fmadd(w, value[c], acc[t][c]);
-      }
-    }
-    for (int t = 0; t < T; ++t) {
-      float* o = p.out + (r0 + t) * p.heads * p.dim + head * p.dim + d0;
-      for (int c = 0; c < parts; ++c) store(o + c * kLanes, acc[t][c] / sums[t]);
-    }
-  }
+  int64_t d0 = 0;
+  for (; d0 + kParts * kLanes <= p.dim; d0 += kParts * kLanes)
+    weigh_span<T, kParts>(p, v, head, r0, d0, keys, weights, stride, sums);
+  for (; d0 < p.dim; d0 += kLanes) weigh_span<T, 1>(p, v, head, r0, d0, keys, weights, stride, sums);
 }
 
 // rows [r0, r1) of one query head
