@@ -6,17 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hierspec.runtime import int4_kernel
 from hierspec.runtime.decoder import Int4Layers
+from test_int4_attention import module  # noqa: F401 - the compiled extension, or a skip
 from test_quantized import _int4_target, _tiny
-
-
-@pytest.fixture(scope="module")
-def module():
-    compiled, reason = int4_kernel.compiled_kernel()
-    if compiled is None:
-        pytest.skip(reason)
-    return compiled
 
 
 def _prompt(rows: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
