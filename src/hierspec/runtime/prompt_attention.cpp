@@ -3,11 +3,12 @@
 //
 // PyTorch's flash kernel computed SmolLM2's 64-wide heads at 17-27 GFLOP/s a thread for prompts of 78-300 tokens and
 // ~39 GFLOP/s at 800 (2-core Zen 4): a third of a 769-token prompt's reading, ~8 % of `hd`'s time on 65 dev
-// questions. This kernel: 0.45-0.61x its time from 78 to 800 tokens (~70 GFLOP/s a thread at 800). Here each task is a block of kRowBlock query rows of one key/value head's group of query heads: the
-// rows' scores against every key up to the block's last row (keys transposed once per call, so 16 keys are scored
-// side by side with one multiply-add per query element), an exact softmax over each row's own keys (j <= i), then
-// the weighted values. Each row's result depends only on its own query, keys and values (its loops run over its own
-// key range in a fixed order), so a prompt's rows do not depend on its length or on the block a row falls in.
+// questions; this kernel takes 0.45-0.61x its time from 78 to 800 tokens (~70 GFLOP/s a thread at 800). Each task is
+// a block of kRowBlock query rows of one query head: the rows' scores against every key up to the block's last row
+// (keys transposed once per call, so 16 keys are scored side by side with one multiply-add per query element), an
+// exact softmax over each row's own keys (j <= i), then the weighted values. Each row's result depends only on its own
+// query, keys and values (its loops run over its own key range in a fixed order; weights past its own keys are zero),
+// so a prompt's rows do not depend on its length or on the block a row falls in.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
