@@ -12,6 +12,7 @@ import torch
 
 from hierspec.machine import cpuinfo_fields
 from hierspec.runtime import int4_kernel as k
+from test_prompt_attention import _prompt, _sdpa
 
 SOURCES = [Path(k.__file__).with_name("int4_vnni.cpp"), Path(k.__file__).with_name("int4_vnni8.cpp"),
            Path(k.__file__).with_name("dense_f32.cpp"), Path(k.__file__).with_name("prompt_attention.cpp"),
@@ -172,11 +173,7 @@ def test_the_avx2_build_of_the_float32_dense_products_equals_this_cpus_build(avx
 
 @pytest.mark.parametrize("heads,kv_heads,dim,rows", [(9, 3, 64, 1), (9, 3, 64, 77), (12, 2, 128, 30), (2, 2, 8, 19)])
 def test_the_avx2_build_of_the_prompt_attention_is_close_to_sdpa(avx2, heads, kv_heads, dim, rows):
-    generator = torch.Generator().manual_seed(rows)
-    states = torch.randn(1, rows, heads + 2 * kv_heads, dim, generator=generator).transpose(1, 2)
-    query, keys, values = states[:, :heads], states[:, heads : heads + kv_heads], states[:, heads + kv_heads :]
+    query, keys, values = _prompt(rows, heads, kv_heads, dim, seed=rows)
     assert avx2.prompt_attention_fits(dim)
     out = avx2.prompt_attention(query, keys, values, dim ** -0.5)
-    expected = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=dim ** -0.5,
-                                                                enable_gqa=heads != kv_heads)
-    torch.testing.assert_close(out, expected.transpose(1, 2).reshape(rows, heads * dim), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(out, _sdpa(query, keys, values, dim ** -0.5), rtol=1e-5, atol=2e-6)

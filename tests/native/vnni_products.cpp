@@ -1,6 +1,6 @@
 // The integer (VNNI) products, the float32 dense products and a prompt's attention alone, for
-// tests/test_vnni_avx2.py: int4_vnni.cpp, dense_f32.cpp and prompt_attention.cpp built for another instruction set (their AVX2 paths on a CPU with AVX-512) and compared with the
-// extension hierspec builds for this CPU.
+// tests/test_vnni_avx2.py: int4_vnni.cpp, dense_f32.cpp and prompt_attention.cpp built for another instruction set
+// (their AVX2 paths on a CPU with AVX-512) and compared with the extension hierspec builds for this CPU.
 #include <torch/csrc/utils/pybind.h>
 
 at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,

@@ -28,6 +28,7 @@ namespace {
 using hierspec_int4::exp_vector;
 using hierspec_int4::fmadd;
 using hierspec_int4::kLanes;
+using hierspec_int4::lane_sum;
 using hierspec_int4::load;
 using hierspec_int4::vf;
 
@@ -100,8 +101,7 @@ float softmax_row(float* s, int64_t r, int64_t keys) {
     store(s + j, e);
     sum += e;
   }
-  float total = 0.f;
-  for (int i = 0; i < kLanes; ++i) total += sum[i];
+  float total = lane_sum(sum);
   for (; j < count; ++j) {
     s[j] = std::exp(s[j] - peak);
     total += s[j];
@@ -195,18 +195,20 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& keys, con
   auto out = at::empty({rows, heads * dim}, query.options());
   if (rows == 0) return out;
   const int64_t padded = (rows + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> kt(kv_heads * dim * padded, 0.f);
+  // keys transposed [kv_heads, dim, padded], each row's padding zero (written once: no fill of the whole buffer first)
+  const auto kt = at::empty({kv_heads * dim, padded}, keys.options());
   const float* k = keys.data_ptr<float>();
   const int64_t k_head = keys.stride(1), k_row = keys.stride(2), k_dim = keys.stride(3);
   at::parallel_for(0, kv_heads * dim, 16, [&](int64_t begin, int64_t end) {
     for (int64_t gd = begin; gd < end; ++gd) {
       const float* from = k + (gd / dim) * k_head + (gd % dim) * k_dim;
-      float* to = kt.data() + gd * padded;
+      float* to = kt.data_ptr<float>() + gd * padded;
       for (int64_t j = 0; j < rows; ++j) to[j] = from[j * k_row];
+      std::fill(to + rows, to + padded, 0.f);
     }
   });
-  const Prompt p{query.data_ptr<float>(), query.stride(1), query.stride(2), kt.data(), values.data_ptr<float>(),
-                 values.stride(1), values.stride(2), rows, padded, dim, heads, heads / kv_heads,
+  const Prompt p{query.data_ptr<float>(), query.stride(1), query.stride(2), kt.data_ptr<float>(),
+                 values.data_ptr<float>(), values.stride(1), values.stride(2), rows, padded, dim, heads, heads / kv_heads,
                  static_cast<float>(scale), out.data_ptr<float>()};
   // tasks (block, head) ordered so that each half of the list holds as much causal work as the other: blocks from
   // both ends in turn (block b and blocks - 1 - b together attend a constant number of keys)
