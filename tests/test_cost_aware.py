@@ -12,11 +12,11 @@ from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
-from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth, depth_rates
+from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth, depth_rates, probe_level
 from hierspec.drafters.scored import ContextCost
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
-from hierspec.tree import build_tree
+from hierspec.tree import build_tree, root_only
 from tiny import make_target
 
 # a CPU-like curve: any draft costs 1.6 plain steps, more tokens almost nothing
@@ -419,6 +419,62 @@ def test_exploration_backs_off_while_it_finds_nothing():
     # the interval doubles after each fruitless exploration: 8, 16, 32, 64, then 128 at most
     assert explored == [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896]
     assert inner.budgets == [1] * len(explored)
+
+
+class _Wide(_Chain):
+    """A retrieval drafter (no draft cost) offering four first tokens, each continued: REST's trie of continuations."""
+
+    def propose(self, context, budget):
+        self.budgets.append(budget)
+        return build_tree(int(context[-1]), [[1, 2], [3, 4], [5, 6], [8, 9]], budget=budget)
+
+
+def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth_only():
+    """A wide tree the plan prices out once nothing is accepted (a second row costs 1.6 steps on CPU_LIKE): every
+    exploration goes one level deeper with one row, not the level's four (REST's ~3.7 on SmolLM2 cost an exploration
+    ~1.1 steps on a Zen 1), and the next plan still sees the proposals' whole width."""
+    drafter = CostAwareDrafter(_Wide(), CPU_LIKE.cost, explore_every=4, max_explore_every=16)
+    context = np.array([7])
+    explored = []
+    for _ in range(40):
+        tree = drafter.propose(context, 8)
+        drafter.observe(_verdict(tree, 0), context)
+        if drafter._exploring:
+            explored.append(tree)
+    assert len(explored) == 4  # steps 4, 8, 16 and 32
+    assert all(tree.tokens.tolist() == [7, 1] and tree.parents.tolist() == [-1, 0] for tree in explored)
+    assert drafter.shape(1)[1][0] > 3  # ~4 nodes a proposal at depth 1 (the prior pulls towards 1)
+    probe = probe_level(build_tree(7, [[1, 2], [3, 4], [5, 6]]), 2)  # levels above kept whole, one node at depth 2
+    assert probe.tokens.tolist() == [7, 1, 3, 5, 2] and probe.parents.tolist() == [-1, 0, 0, 0, 1]
+    assert probe_level(root_only(7), 1).size == 1
+
+
+def test_the_remembered_plan_is_the_plan_computed_afresh_at_every_step():
+    """The plan is remembered while nothing it reads changes (priced-out steps change no count): over steps with
+    random verdicts, budgets, contexts and new generations, it always equals the plan computed anew."""
+    rng = np.random.default_rng(0)
+    cheap = CostCurve((1, 2, 8, 64), (10.0, 11.0, 14.0, 60.0), {}, context=64, long_context=1024,
+                      long_ms=(12.0, 14.0, 22.0, 90.0))
+    drafter = CostAwareDrafter(_Wide(), cheap.context_cost(), explore_every=3, max_explore_every=12)
+    plans = set()
+    for step in range(300):
+        context = np.arange(1 + 300 * (step // 50))  # the curve's context step changes every 50 steps
+        budget = 8 if step % 10 else int(rng.integers(1, 12))
+        if step % 37 == 36:
+            drafter.begin(context)  # a new generation: the counts are scaled down
+        drafter._cost_now = drafter._curve.at(context.shape[0])  # what the step's proposal reads the plan with
+        assert drafter.plan(budget) == drafter._plan(budget)
+        plans.add(drafter.plan(budget))
+        tree = drafter.propose(context, budget)
+        accepted = int(rng.integers(0, tree.size)) if rng.random() < 0.2 else 0  # mostly priced out
+        drafter.observe(_verdict(tree, accepted), context)
+    assert len(plans) > 1  # the plan did change along the way
+    # three rejected drafts price a cheap curve's drafts out; the steps after change nothing, a new generation does
+    fresh = CostAwareDrafter(_Wide(), CostCurve((1, 2, 8, 64), (10.0, 11.0, 14.0, 60.0), {}).cost,
+                             explore_every=1000, max_explore_every=1000)
+    assert _run(fresh, 12) == [5, 5, 5] + [1] * 9 and fresh.plan(8) == 0
+    fresh.begin(np.array([7]))  # what earlier generations taught is kept at a quarter of its weight
+    assert fresh.plan(8) == fresh._plan(8) == 1
 
 
 def test_cost_aware_drafting_is_the_default_and_keeps_greedy_output_identical(tmp_path):

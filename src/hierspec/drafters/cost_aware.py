@@ -12,8 +12,10 @@ every method that does not size its own trees:
 * cuts the proposed tree to the depth with the most expected tokens per millisecond (drafting is spent by then);
 * lets a drafter that drafts token by token (a draft model, HSDDW's middle model) decide its own length with a
   :class:`~hierspec.drafters.token_window.TokenWindow` instead, the same rule read with each token's confidence;
-* explores one level deeper than planned every ``explore_every``-th step, backing off (the interval doubles up to
-  ``max_explore_every``) while exploring finds nothing, so the rates keep learning at a bounded cost;
+* explores one level deeper than planned every ``explore_every``-th step, with only the drafter's first choice at
+  that level (:func:`probe_level`: one row, where REST's whole level of ~3.7 cost ~1.1 steps on a Zen 1), backing
+  off (the interval doubles up to ``max_explore_every``) while exploring finds nothing, so the rates keep learning at
+  a bounded cost;
 * never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if :data:`FLOOR_ACCEPTANCE`
   of its tokens were accepted, a good draft model's rate (a self-draft of 90 % of the target's layers on a CPU, say),
   and says so once;
@@ -112,6 +114,10 @@ class CostAwareDrafter(Drafter):
         self._draft_ms: np.ndarray | None = None  # draft_cost(d) for d = 0..MAX_DEPTH (fixed within a process)
         self._row_ms = _RowCosts()
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
+        # the last plan and what it read: a run of priced-out steps changes no count, and its plans (~70-120 us
+        # each on a Zen 1, ~1 % of SmolLM2's step) are the same until the context reaches the curve's next step
+        self._counts_version = 0
+        self._last_plan: tuple[tuple, int] | None = None
         self.cut_steps = 0
         self.skipped_steps = 0
         window = TokenWindow(self.cost, inner.draft_cost)
@@ -148,6 +154,7 @@ class CostAwareDrafter(Drafter):
             self.search_gate.begin()  # the generation's first search is not counted
         for counts in (self._reached, self._accepted, self._free_reached, self._free_accepted):
             counts *= CARRIED
+        self._counts_version += 1
         if self.window is not None:
             self.window.rates.keep(CARRIED)
             self.window.stops = 0
@@ -179,6 +186,12 @@ class CostAwareDrafter(Drafter):
         deepest = min(budget, MAX_DEPTH)
         if deepest <= 0 or not self.can_pay(deepest):
             return 0
+        key = (deepest, self._cost_now, self._shared, self._counts_version)
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, self._plan(deepest))
+        return self._last_plan[1]
+
+    def _plan(self, deepest: int) -> int:
         reach, width = self.shape(deepest)
         nodes = 1.0 + np.concatenate([[0.0], np.cumsum(width)])
         rows, tokens = self._shared
@@ -215,13 +228,16 @@ class CostAwareDrafter(Drafter):
         rates = (depth_rates(self._free_accepted, self._free_reached, deepest) if free else self.rates(deepest))
         return _most_per_ms(rates, self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
 
-    def _cut(self, tree: DraftTree, depth: int) -> DraftTree:
-        """``tree`` cut to ``depth`` (counted in :attr:`cut_steps` when that drops nodes); the step's depth kept."""
-        if depth < int(tree.depths.max()):
+    def _cut(self, tree: DraftTree, depth: int, probe: bool = False) -> DraftTree:
+        """``tree`` cut to ``depth`` (``probe``: with only the first node at that depth, :func:`probe_level`),
+        counted in :attr:`cut_steps` when that drops nodes; the step's depth kept."""
+        cut = probe_level(tree, depth) if probe else tree
+        if depth < int(cut.depths.max()):
+            cut = cut_to_depth(cut, depth)
+        if cut.size < tree.size:
             self.cut_steps += 1
-            tree = cut_to_depth(tree, depth)
-        self._depth = int(tree.depths.max())
-        return tree
+        self._depth = int(cut.depths.max())
+        return cut
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -260,7 +276,9 @@ class CostAwareDrafter(Drafter):
         if self.search_gate is not None:
             self._search_ms = 1e3 * (time.perf_counter() - started)
         self._learn_shape(tree, asked)
-        return self._cut(tree, planned if self._exploring else self.best_depth(tree))
+        if self._exploring:
+            return self._cut(tree, planned, probe=True)
+        return self._cut(tree, self.best_depth(tree))
 
     def _cut_free(self, tree: DraftTree) -> DraftTree:
         """A free proposal cut to the depth with the most expected tokens per millisecond of verification, read
@@ -271,6 +289,7 @@ class CostAwareDrafter(Drafter):
 
     def _learn_shape(self, tree: DraftTree, asked: int) -> None:
         depth = min(int(tree.depths.max()), MAX_DEPTH)
+        self._counts_version += 1
         for counts in (self._asked, self._deep, self._nodes):
             counts *= DECAY
         self._asked[1 : min(asked, MAX_DEPTH) + 1] += 1
@@ -290,6 +309,7 @@ class CostAwareDrafter(Drafter):
             self.search_gate.searched(self.inner.name, self._search_ms, accepted, self.cost(1))
             self._search_ms = None
         _count_verdict(self._reached, self._accepted, depth, accepted)
+        self._counts_version += 1
         if self.window is not None:
             self.window.learn(depth, accepted)
         if self._exploring:
@@ -311,6 +331,7 @@ class CostAwareDrafter(Drafter):
         if not isinstance(learned, dict):
             return
         self._reached, self._accepted, self._asked, self._deep, self._nodes = learned["depths"]
+        self._counts_version += 1
         if learned.get("free_depths") is not None:  # kept since the fifty-ninth session
             self._free_reached, self._free_accepted = learned["free_depths"]
         self._backoff = learned["backoff"]
@@ -392,7 +413,18 @@ def _most_per_ms(gains: np.ndarray, ms: np.ndarray, shared_tokens: float = 0.0) 
 
 def cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
     """The tree's nodes up to ``depth`` (a breadth-first prefix, so indices and parents stay valid)."""
-    keep = int(np.searchsorted(tree.depths, depth, side="right"))
+    return cut_to_nodes(tree, int(np.searchsorted(tree.depths, depth, side="right")))
+
+
+def probe_level(tree: DraftTree, depth: int) -> DraftTree:
+    """The tree's nodes above ``depth`` and only the first of those at ``depth`` (its drafter's first choice
+    there): an exploration one level deeper than the plan pays one row, not the level's whole width."""
+    above = int(np.searchsorted(tree.depths, depth - 1, side="right"))
+    return cut_to_nodes(tree, min(above + 1, int(np.searchsorted(tree.depths, depth, side="right"))))
+
+
+def cut_to_nodes(tree: DraftTree, keep: int) -> DraftTree:
+    """The tree's first ``keep`` nodes, root included (a breadth-first prefix: indices and parents stay valid)."""
     return DraftTree(
         tokens=tree.tokens[:keep], parents=tree.parents[:keep], depths=tree.depths[:keep],
         sources=tree.sources[:keep], probs=None if tree.probs is None else tree.probs[:keep],
