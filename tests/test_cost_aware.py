@@ -432,7 +432,8 @@ class _Wide(_Chain):
 def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth_only():
     """A wide tree the plan prices out once nothing is accepted (a second row costs 1.6 steps on CPU_LIKE): every
     exploration goes one level deeper with one row, not the level's four (REST's ~3.7 on SmolLM2 cost an exploration
-    ~1.1 steps on a Zen 1), and the next plan still sees the proposals' whole width."""
+    ~1.1 steps on a Zen 1), and the next plan still sees the proposals' whole width. On a curve where rows are cheap,
+    it verifies as many of the level's nodes as a quarter of a step pays for."""
     drafter = CostAwareDrafter(_Wide(), CPU_LIKE.cost, explore_every=4, max_explore_every=16)
     context = np.array([7])
     explored = []
@@ -444,6 +445,14 @@ def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth
     assert len(explored) == 4  # steps 4, 8, 16 and 32
     assert all(tree.tokens.tolist() == [7, 1] and tree.parents.tolist() == [-1, 0] for tree in explored)
     assert drafter.shape(1)[1][0] > 3  # ~4 nodes a proposal at depth 1 (the prior pulls towards 1)
+    # where rows cost little (a quarter of a step, 15 ms, buys three rows of 4 ms here), it verifies that many
+    cheap_rows = CostCurve((1, 4, 8, 64), (60.0, 72.0, 100.0, 240.0), {}).cost  # 4 ms a row up to 4
+    wide = CostAwareDrafter(_Wide(), cheap_rows, explore_every=4, max_explore_every=16)
+    wide._counts_version, wide._reached[1], wide._asked[1:3], wide._nodes[1] = 1, 50.0, 50.0, 200.0  # none accepted
+    assert wide.plan(8) == 0
+    for _ in range(3):
+        assert wide.propose(context, 8).size == 1
+    assert wide.propose(context, 8).tokens.tolist() == [7, 1, 3, 5]
     probe = probe_level(build_tree(7, [[1, 2], [3, 4], [5, 6]]), 2)  # levels above kept whole, one node at depth 2
     assert probe.tokens.tolist() == [7, 1, 3, 5, 2] and probe.parents.tolist() == [-1, 0, 0, 0, 1]
     assert probe_level(root_only(7), 1).size == 1

@@ -12,10 +12,10 @@ every method that does not size its own trees:
 * cuts the proposed tree to the depth with the most expected tokens per millisecond (drafting is spent by then);
 * lets a drafter that drafts token by token (a draft model, HSDDW's middle model) decide its own length with a
   :class:`~hierspec.drafters.token_window.TokenWindow` instead, the same rule read with each token's confidence;
-* explores one level deeper than planned every ``explore_every``-th step, with only the drafter's first choice at
-  that level (:func:`probe_level`: one row, where REST's whole level of ~3.7 cost ~1.1 steps on a Zen 1), backing
-  off (the interval doubles up to ``max_explore_every``) while exploring finds nothing, so the rates keep learning at
-  a bounded cost;
+* explores one level deeper than planned every ``explore_every``-th step, with the drafter's first choice at that
+  level and only as many more as cost :data:`PROBE_SHARE` of a step (:func:`probe_level`; REST's whole level of ~3.7
+  nodes cost ~1.1 steps on a Zen 1), backing off (the interval doubles up to ``max_explore_every``) while exploring
+  finds nothing, so the rates keep learning at a bounded cost;
 * never drafts with a drafter that could not beat plain decoding by :data:`MIN_CEILING` even if :data:`FLOOR_ACCEPTANCE`
   of its tokens were accepted, a good draft model's rate (a self-draft of 90 % of the target's layers on a CPU, say),
   and says so once;
@@ -71,6 +71,9 @@ MIN_CEILING = 1.05
 #: passed at 1.06-1.22x, drafted, and lost 5-14 % to plain decoding; at 0.8 it needs a draft token below ~0.68
 #: of a target step (Qwen2.5-Coder's pair: ~0.3, 1.5x)
 FLOOR_ACCEPTANCE = 0.8
+#: an exploration verifies its level's first choice and, after it, only the nodes whose rows together cost at most
+#: this share of a one-token step
+PROBE_SHARE = 0.25
 
 
 class CostAwareDrafter(Drafter):
@@ -231,13 +234,24 @@ class CostAwareDrafter(Drafter):
     def _cut(self, tree: DraftTree, depth: int, probe: bool = False) -> DraftTree:
         """``tree`` cut to ``depth`` (``probe``: with only the first node at that depth, :func:`probe_level`),
         counted in :attr:`cut_steps` when that drops nodes; the step's depth kept."""
-        cut = probe_level(tree, depth) if probe else tree
+        cut = probe_level(tree, depth, self._probe_width(tree, depth)) if probe else tree
         if depth < int(cut.depths.max()):
             cut = cut_to_depth(cut, depth)
         if cut.size < tree.size:
             self.cut_steps += 1
         self._depth = int(cut.depths.max())
         return cut
+
+    def _probe_width(self, tree: DraftTree, depth: int) -> int:
+        """How many of the explored level's nodes an exploration verifies: its first choice, and more while the
+        rows they add cost at most :data:`PROBE_SHARE` of a one-token step (all of them on a flat curve, one on a
+        Zen 1's, where REST's level of ~3.7 nodes cost ~1.1 steps)."""
+        rows = self._shared[0] + int(np.searchsorted(tree.depths, depth - 1, side="right"))
+        allowed = self.cost(rows) + PROBE_SHARE * self.cost(1)
+        width = 1
+        while width < tree.size and self.cost(rows + width + 1) <= allowed:
+            width += 1
+        return width
 
     # ----------------------------------------------------------------- drafting
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
@@ -416,11 +430,11 @@ def cut_to_depth(tree: DraftTree, depth: int) -> DraftTree:
     return cut_to_nodes(tree, int(np.searchsorted(tree.depths, depth, side="right")))
 
 
-def probe_level(tree: DraftTree, depth: int) -> DraftTree:
-    """The tree's nodes above ``depth`` and only the first of those at ``depth`` (its drafter's first choice
-    there): an exploration one level deeper than the plan pays one row, not the level's whole width."""
+def probe_level(tree: DraftTree, depth: int, width: int = 1) -> DraftTree:
+    """The tree's nodes above ``depth`` and only the first ``width`` of those at ``depth`` (its drafter's first
+    choices there)."""
     above = int(np.searchsorted(tree.depths, depth - 1, side="right"))
-    return cut_to_nodes(tree, min(above + 1, int(np.searchsorted(tree.depths, depth, side="right"))))
+    return cut_to_nodes(tree, min(above + width, int(np.searchsorted(tree.depths, depth, side="right"))))
 
 
 def cut_to_nodes(tree: DraftTree, keep: int) -> DraftTree:
