@@ -412,6 +412,7 @@ def test_deferred_start_rents_no_more_than_a_best_case_draft_saves(small):
         assert ready == [False] * deferred + [True] * (20 - deferred)
     assert DeferredStart(lm).rent_share(step) == RENT  # without deepest: the rent as given
     assert DraftModelDrafter(lm, DraftModelConfig(k=3)).start.deepest == 3  # sd's drafts hold up to k tokens
+    assert HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), lm).start.deepest == 16  # a block at most
     assert DeferredStart(lm, deepest=4).ready(prompt[: CATCH_UP_ROWS + 1], step)  # nothing to read: at once
     with pytest.raises(ValueError, match="deepest"):
         DeferredStart(lm, deepest=0)
@@ -467,11 +468,12 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
 def test_steps_the_cost_aware_plan_skips_count_toward_the_draft_models_start(target, small):
     """A draft step at 6 ms against a flat 10 ms target step: at the prior's one-in-two acceptance drafting does not
     pay (1.5 tokens in 16 ms), so the plan skips every step but the explorations (every 8th) until it has seen the
-    draft accepted. A 60-token prompt the draft's curve prices at 59 ms starts HSDDW's middle model after 5 steps of
-    rent (8 x 5 + 5 k >= 59 + k), and ``sd``'s draft after 16: its 4-token drafts are at best 50 / 34 times faster
-    than plain decoding, so a step without it forgoes 1 - 34/50 of a step, 3.2 ms (8 x 3.2 + 3.2 k >= 59 + k);
-    were only the explorations counted, 40 steps would not reach either and nothing would ever be drafted or
-    learnt. Plain decoding's tokens either way."""
+    draft accepted. A 60-token prompt the draft's curve prices at 59 ms starts ``sd``'s draft after 16 steps of rent:
+    its 4-token drafts are at best 50 / 34 times faster than plain decoding, so a step without it forgoes 1 - 34/50
+    of a step, 3.2 ms (8 x 3.2 + 3.2 k >= 59 + k); HSDDW's middle model, whose block of 4 is priced as 4 tokens of
+    its own, after 16 as well (at the uncapped half step, before the sixty-third session: 5); were only the
+    explorations counted, 40 steps would not reach either and nothing would ever be drafted or learnt. Plain
+    decoding's tokens either way."""
     def draft_curve(rows):
         return 6.0 if rows == 1 else float(rows)
 
@@ -482,7 +484,7 @@ def test_steps_the_cost_aware_plan_skips_count_toward_the_draft_models_start(tar
             (DraftModelDrafter(DraftLM(small, step_cost=draft_curve), DraftModelConfig(k=4)), 16),
             (HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.0), DraftModelConfig(k=2)),
                           DraftLM(self_drafting_model(target, 3), step_cost=draft_curve),
-                          HSDDWConfig(tau=3.0, max_block=4)), 5)):
+                          HSDDWConfig(tau=3.0, max_block=4)), 16)):
         wrapped = CostAwareDrafter(drafter, lambda rows: 10.0)
         _check_identity(target, wrapped, [prompt], max_new_tokens=40)
         report = drafter.report()

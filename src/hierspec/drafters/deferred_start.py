@@ -50,8 +50,8 @@ class DeferredStart:
         head_start: steps of rent counted as paid from the start (:data:`HEAD_START`).
         defer: ``False``: start at once, whatever the prompt (the methods' ``defer=false``).
         deepest: the most tokens one draft of ``lm`` holds, one forward of ``lm`` each: caps the rent at what such
-            a draft saves at best; ``None``: the rent as given (HSDDW's middle model, whose round can pass several
-            of the first drafter's tokens).
+            a draft saves at best (HSDDW's middle model: its block, priced as that many tokens of its own);
+            ``None``: the rent as given.
     """
 
     def __init__(self, lm: DraftLM, rent: float = RENT, head_start: int = HEAD_START, defer: bool = True,

@@ -89,7 +89,9 @@ class HSDDWDrafter(Drafter):
         self._generator = torch.Generator()
         self._entropies: list[float] = []
         self.window: TokenWindow | None = None
-        self.start = DeferredStart(middle, defer=self.config.defer)
+        # the rent capped at the best case of a middle model drafting up to a block by itself: where that is
+        # small (a Zen 1's steep curves: ~1.3x) a round's several first-level tokens do not repay its prompt reading
+        self.start = DeferredStart(middle, defer=self.config.defer, deepest=self.config.max_block)
         self._alone = False  # this step's proposal is the first drafter's own, sent to the target as it is
         self._reset_counts()
 
