@@ -448,7 +448,7 @@ def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth
     # where rows cost little (a quarter of a step, 15 ms, buys three rows of 4 ms here), it verifies that many
     cheap_rows = CostCurve((1, 4, 8, 64), (60.0, 72.0, 100.0, 240.0), {}).cost  # 4 ms a row up to 4
     wide = CostAwareDrafter(_Wide(), cheap_rows, explore_every=4, max_explore_every=16)
-    wide._counts_version, wide._reached[1], wide._asked[1:3], wide._nodes[1] = 1, 50.0, 50.0, 200.0  # none accepted
+    wide._reached[1], wide._asked[1:3], wide._nodes[1] = 50.0, 50.0, 200.0  # none accepted
     assert wide.plan(8) == 0
     for _ in range(3):
         assert wide.propose(context, 8).size == 1

@@ -232,8 +232,9 @@ class CostAwareDrafter(Drafter):
         return _most_per_ms(rates, self._row_ms.read(self._cost_now, rows + nodes_up_to), tokens)
 
     def _cut(self, tree: DraftTree, depth: int, probe: bool = False) -> DraftTree:
-        """``tree`` cut to ``depth`` (``probe``: with only the first node at that depth, :func:`probe_level`),
-        counted in :attr:`cut_steps` when that drops nodes; the step's depth kept."""
+        """``tree`` cut to ``depth`` (``probe``: with only the first of that depth's nodes that
+        :meth:`_probe_width` allows, :func:`probe_level`), counted in :attr:`cut_steps` when that drops nodes; the
+        step's depth kept."""
         cut = probe_level(tree, depth, self._probe_width(tree, depth)) if probe else tree
         if depth < int(cut.depths.max()):
             cut = cut_to_depth(cut, depth)
@@ -246,10 +247,12 @@ class CostAwareDrafter(Drafter):
         """How many of the explored level's nodes an exploration verifies: its first choice, and more while the
         rows they add cost at most :data:`PROBE_SHARE` of a one-token step (all of them on a flat curve, one on a
         Zen 1's, where REST's level of ~3.7 nodes cost ~1.1 steps)."""
-        rows = self._shared[0] + int(np.searchsorted(tree.depths, depth - 1, side="right"))
+        above = int(np.searchsorted(tree.depths, depth - 1, side="right"))
+        level = int(np.searchsorted(tree.depths, depth, side="right")) - above
+        rows = self._shared[0] + above
         allowed = self.cost(rows) + PROBE_SHARE * self.cost(1)
         width = 1
-        while width < tree.size and self.cost(rows + width + 1) <= allowed:
+        while width < level and self.cost(rows + width + 1) <= allowed:
             width += 1
         return width
 
