@@ -263,6 +263,36 @@ def test_a_free_proposal_is_cut_by_the_acceptance_seen_on_free_proposals():
     assert _run(whole, 10, accepted=lambda tree: tree.size - 1) == [3] * 10
 
 
+class _WaitingWindow(_Chain):
+    """A drafter that drafts token by token (it keeps the cost-aware window) but, like HSDDW before its middle model
+    starts, answers every step with its free first level's chain ``9 9 9 9``."""
+
+    def use_window(self, window):
+        return True
+
+    @property
+    def proposed_free(self):
+        return True
+
+    def propose(self, context, budget):
+        self.budgets.append(budget)
+        return build_tree(int(context[-1]), [[9, 9, 9, 9][:budget]])
+
+
+def test_a_free_chain_in_place_of_a_windowed_draft_is_cut_as_a_free_proposal():
+    """The plan drafts (1 ms a token on CPU_LIKE) but the drafter sends its free chain instead: fresh, all four
+    tokens pay at the prior (1.94 tokens in 98 ms beat 1 in 60); once one is rejected at once the free rates fall
+    and the root goes alone, as for a free proposal — not the whole chain every step, and neither the planned
+    drafts' counts nor the window learn from a draft that was not theirs."""
+    inner = _WaitingWindow(ms=1.0)
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=1000, max_explore_every=1000)
+    assert drafter.window is not None and drafter.plan(8) > 0
+    assert _run(drafter, 6, accepted=lambda tree: 0) == [5, 1, 1, 1, 1, 1]
+    assert inner.budgets == [8] * 6 and inner.observed == 6
+    assert drafter._free_reached[1] > 0 and drafter._reached.sum() == drafter._accepted.sum() == 0
+    assert drafter.report()["cost_cut_steps"] == 5
+
+
 def test_a_costly_drafter_drafts_the_planned_window_once_acceptance_shows_it_pays():
     # 40 ms per token, curve flat at 60 ms up to 8 rows: at the prior (half accepted) one token gives 1.5 / 100
     # tokens per ms < 1 / 60 (no draft); with every token accepted 2 / 100 > 1 / 60, and 3 / 140 more at depth 2

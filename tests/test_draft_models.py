@@ -465,6 +465,30 @@ def test_sd_and_hsddw_defer_their_draft_model_after_a_long_prompt_and_stay_lossl
     assert unwindowed.report()["deferred_steps"] == 0  # without the target's cost: the old behaviour
 
 
+def test_hsddw_flags_its_retrieval_level_sent_before_the_middle_model_starts_as_free(target, small):
+    """While the middle model waits to start on a 60-token prompt (its reading priced at 59 ms against 10 ms target
+    steps), ``propose`` returns prompt lookup's own draft and says it is free (the cost-aware wrapper then cuts it
+    as a free proposal); a block drafted with the middle model, or a first draft model's empty step, is not."""
+    rng = np.random.default_rng(4)
+    prompt = np.array(rng.integers(1, VOCAB, size=12).tolist() * 5)
+    middle = DraftLM(small, step_cost=lambda rows: 0.5 if rows == 1 else float(rows))
+    hsddw = _windowed(HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), middle, HSDDWConfig(max_block=8)),
+                      lambda rows: 10.0, lambda tokens: 0.5 * tokens)
+    hsddw.prepare(SamplingConfig(), torch.Generator())
+    hsddw.begin(prompt)
+    tree = hsddw.propose(prompt, 8)
+    assert hsddw.proposed_free and tree.num_drafted > 0 and middle.forwards == 0
+    hsddw.config = HSDDWConfig(max_block=8, defer=False)
+    hsddw.start = DeferredStart(middle, defer=False)
+    hsddw.propose(prompt, 8)
+    assert not hsddw.proposed_free and middle.forwards > 0
+    waiting = _windowed(HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.5),
+                                                       DraftModelConfig(k=2)), middle, HSDDWConfig(max_block=8)),
+                        lambda rows: 10.0, lambda tokens: 0.5 * tokens)
+    waiting.begin(prompt)
+    assert waiting.propose(prompt, 8).num_drafted == 0 and not waiting.proposed_free
+
+
 def test_steps_the_cost_aware_plan_skips_count_toward_the_draft_models_start(target, small):
     """A draft step at 6 ms against a flat 10 ms target step: at the prior's one-in-two acceptance drafting does not
     pay (1.5 tokens in 16 ms), so the plan skips every step but the explorations (every 8th) until it has seen the

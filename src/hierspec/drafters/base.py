@@ -54,6 +54,13 @@ class Drafter(ABC):
         level, sent to the target without its middle model), or ``None`` (the default) to decode the step plainly."""
         return None
 
+    @property
+    def proposed_free(self) -> bool:
+        """Whether the tree :meth:`propose` last returned is a free proposal rather than a draft at
+        :meth:`draft_cost` (HSDDW's retrieval level sent alone while its middle model waits to start): the cost-aware
+        wrapper then cuts it and learns from its verdict as from a :meth:`free_proposal`'s. ``False`` by default."""
+        return False
+
     def share_forward(self, rows: int, tokens: float, draft_ms: float = 0.0) -> None:
         """Called before :meth:`propose` when other generations' trees are verified in the same forward (batched
         serving): they hold ``rows`` rows, are expected to add ``tokens`` tokens and took ``draft_ms`` milliseconds

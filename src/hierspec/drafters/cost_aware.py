@@ -281,6 +281,10 @@ class CostAwareDrafter(Drafter):
         if self.window is not None:  # the drafter stops token by token, by its tokens' confidence
             self.window.start(*self._shared)
             tree = self.inner.propose(context, budget)
+            if self.inner.proposed_free:  # HSDDW's retrieval level alone, its middle model not started yet
+                self._proposed = False
+                self._depth = 0
+                return self._cut_free(tree)
             self._proposed = tree.num_drafted > 0  # none: its draft model has not started on this generation
             if self._proposed:
                 self._learn_shape(tree, budget)

@@ -92,7 +92,7 @@ class HSDDWDrafter(Drafter):
         # the rent capped at the best case of a middle model drafting up to a block by itself: where that is
         # small (a Zen 1's steep curves: ~1.3x) a round's several first-level tokens do not repay its prompt reading
         self.start = DeferredStart(middle, defer=self.config.defer, deepest=self.config.max_block)
-        self._alone = False  # this step's proposal is the first drafter's own, sent to the target as it is
+        self._alone = False  # this step's proposal is the first drafter's own, sent without the middle model
         self._reset_counts()
 
     def use_window(self, window: TokenWindow) -> bool:
@@ -179,11 +179,16 @@ class HSDDWDrafter(Drafter):
     def _first_alone(self, context: np.ndarray, budget: int) -> DraftTree | None:
         """The first drafter's proposal without the middle model, when it is free to draft; else ``None``."""
         limit = min(budget, self.config.max_block)
-        if limit <= 0 or self.first.draft_cost(1) > 0:
-            return None
         self._entropies = []
-        self._alone = True
-        return self.first.propose(context, limit)
+        self._alone = limit > 0 and self.first.draft_cost(1) == 0
+        return self.first.propose(context, limit) if self._alone else None
+
+    @property
+    def proposed_free(self) -> bool:
+        """Whether this step's tree is the first drafter's own (the cost-aware wrapper cuts it as a free
+        proposal: before this, prompt lookup's up to 16-token trees went to Qwen2.5-Coder-1.5B uncut while the
+        middle model waited to start)."""
+        return self._alone
 
     def draft_cost(self, tokens: int) -> float:
         """At most one middle-model round per block token (fewer when the first drafter's tokens pass), plus what
