@@ -12,6 +12,7 @@ from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
+from hierspec.drafters.prompt_lookup import PromptLookupDrafter
 from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth, depth_rates, probe_level
 from hierspec.drafters.scored import ContextCost
 from hierspec.errors import InputError
@@ -76,12 +77,16 @@ def test_the_cost_grows_linearly_with_the_context_between_and_beyond_the_measure
 def test_a_tree_that_pays_over_a_short_context_is_cut_over_a_long_one():
     # 30 of 50 steps that reached each depth accepted it (rates ~0.6): over 64 cached tokens a row costs ~1.3-2 ms
     # on a 10 ms step and the whole 4-token chain pays; over 4,096 a second row costs ~28 ms more than the ~27 ms
-    # step (the long curve extended 4.3x past the short one), so nothing pays and nothing is drafted
-    drafter = CostAwareDrafter(_Chain(), GROWING.context_cost(), explore_every=1000, max_explore_every=1000)
-    drafter._reached[1:5] = 50.0
-    drafter._accepted[1:5] = 30.0
-    assert drafter.propose(np.arange(64), 8).size == 5
-    assert drafter.propose(np.arange(4096), 8).size == 1 and drafter.skipped_steps == 1
+    # step (the long curve extended 4.3x past the short one), so nothing pays: a retrieval drafter's found tree is
+    # cut to the root, one that pays per token is not even asked
+    for ms, cut, skipped in ((0.0, 1, 0), (0.01, 0, 1)):
+        inner = _Chain(ms=ms)
+        drafter = CostAwareDrafter(inner, GROWING.context_cost(), explore_every=1000, max_explore_every=1000)
+        drafter._reached[1:5] = 50.0
+        drafter._accepted[1:5] = 30.0
+        assert drafter.propose(np.arange(64), 8).size == 5
+        assert drafter.propose(np.arange(4096), 8).size == 1
+        assert (drafter.cut_steps, drafter.skipped_steps, len(inner.budgets)) == (cut, skipped, 1 + cut)
 
 
 def test_measure_cost_curve_on_a_tiny_model(tmp_path):
@@ -261,6 +266,28 @@ def test_a_free_proposal_is_cut_by_the_acceptance_seen_on_free_proposals():
     assert drafter._reached.sum() == drafter._accepted.sum() == 0
     whole = CostAwareDrafter(_FreeFallback(ms=54.0), CPU_LIKE.cost)
     assert _run(whole, 10, accepted=lambda tree: tree.size - 1) == [3] * 10
+
+
+class _EveryOther(_Chain):
+    """A retrieval drafter that finds the one token ``9`` in every other step and nothing in the others."""
+
+    def propose(self, context, budget):
+        self.budgets.append(budget)
+        return build_tree(int(context[-1]), [[9]] if len(self.budgets) % 2 else [])
+
+
+def test_a_retrieval_drafter_searches_every_step_and_only_its_found_tree_is_priced():
+    """On CPU_LIKE a second row costs 0.6 of a step: a found token accepted 4 times in 5 pays (1.8 tokens in 96 ms
+    against 1 in 60), but a plan made before searching, half of whose steps find nothing, would expect 1.4 tokens for
+    a 1.5-row (rounded: 2-row) step and skip every search. Searched every step, each found token is verified; the
+    search of prompt lookup (reading only the context) is never gated, other retrieval drafters' are."""
+    inner = _EveryOther()
+    drafter = CostAwareDrafter(inner, CPU_LIKE.cost, explore_every=1000, max_explore_every=1000)
+    drafter._reached[1], drafter._accepted[1] = 50.0, 40.0
+    sizes = _run(drafter, 20, accepted=lambda tree: tree.size - 1)
+    assert sizes == [2, 1] * 10 and len(inner.budgets) == 20 and drafter.skipped_steps == 0
+    assert CostAwareDrafter(PromptLookupDrafter(), CPU_LIKE.cost).search_gate is None
+    assert CostAwareDrafter(_Chain(), CPU_LIKE.cost).search_gate is not None
 
 
 class _WaitingWindow(_Chain):
@@ -460,10 +487,10 @@ class _Wide(_Chain):
 
 
 def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth_only():
-    """A wide tree the plan prices out once nothing is accepted (a second row costs 1.6 steps on CPU_LIKE): every
+    """A wide tree cut to the root once nothing is accepted (a second row costs 1.6 steps on CPU_LIKE): every
     exploration goes one level deeper with one row, not the level's four (REST's ~3.7 on SmolLM2 cost an exploration
-    ~1.1 steps on a Zen 1), and the next plan still sees the proposals' whole width. On a curve where rows are cheap,
-    it verifies as many of the level's nodes as a quarter of a step pays for."""
+    ~1.1 steps on a Zen 1). On a curve where rows are cheap, it verifies as many of the level's nodes as a quarter of
+    a step pays for."""
     drafter = CostAwareDrafter(_Wide(), CPU_LIKE.cost, explore_every=4, max_explore_every=16)
     context = np.array([7])
     explored = []
@@ -474,12 +501,10 @@ def test_an_exploration_verifies_the_drafters_first_choice_at_the_explored_depth
             explored.append(tree)
     assert len(explored) == 4  # steps 4, 8, 16 and 32
     assert all(tree.tokens.tolist() == [7, 1] and tree.parents.tolist() == [-1, 0] for tree in explored)
-    assert drafter.shape(1)[1][0] > 3  # ~4 nodes a proposal at depth 1 (the prior pulls towards 1)
     # where rows cost little (a quarter of a step, 15 ms, buys three rows of 4 ms here), it verifies that many
     cheap_rows = CostCurve((1, 4, 8, 64), (60.0, 72.0, 100.0, 240.0), {}).cost  # 4 ms a row up to 4
     wide = CostAwareDrafter(_Wide(), cheap_rows, explore_every=4, max_explore_every=16)
-    wide._reached[1], wide._asked[1:3], wide._nodes[1] = 50.0, 50.0, 200.0  # none accepted
-    assert wide.plan(8) == 0
+    wide._reached[1] = 50.0  # none accepted
     for _ in range(3):
         assert wide.propose(context, 8).size == 1
     assert wide.propose(context, 8).tokens.tolist() == [7, 1, 3, 5]
@@ -494,7 +519,8 @@ def test_the_remembered_plan_is_the_plan_computed_afresh_at_every_step():
     rng = np.random.default_rng(0)
     cheap = CostCurve((1, 2, 8, 64), (10.0, 11.0, 14.0, 60.0), {}, context=64, long_context=1024,
                       long_ms=(12.0, 14.0, 22.0, 90.0))
-    drafter = CostAwareDrafter(_Wide(), cheap.context_cost(), explore_every=3, max_explore_every=12)
+    # a drafter that pays per token (a little): only those are planned before drafting
+    drafter = CostAwareDrafter(_Wide(ms=0.01), cheap.context_cost(), explore_every=3, max_explore_every=12)
     plans = set()
     for step in range(300):
         context = np.arange(1 + 300 * (step // 50))  # the curve's context step changes every 50 steps
@@ -508,10 +534,10 @@ def test_the_remembered_plan_is_the_plan_computed_afresh_at_every_step():
         accepted = int(rng.integers(0, tree.size)) if rng.random() < 0.2 else 0  # mostly priced out
         drafter.observe(_verdict(tree, accepted), context)
     assert len(plans) > 1  # the plan did change along the way
-    # three rejected drafts price a cheap curve's drafts out; the steps after change nothing, a new generation does
-    fresh = CostAwareDrafter(_Wide(), CostCurve((1, 2, 8, 64), (10.0, 11.0, 14.0, 60.0), {}).cost,
+    # nine rejected drafts price a cheap curve's drafts out; the steps after change nothing, a new generation does
+    fresh = CostAwareDrafter(_Wide(ms=0.01), CostCurve((1, 2, 8, 64), (10.0, 11.0, 14.0, 60.0), {}).cost,
                              explore_every=1000, max_explore_every=1000)
-    assert _run(fresh, 12) == [5, 5, 5] + [1] * 9 and fresh.plan(8) == 0
+    assert _run(fresh, 12) == [4] + [2] * 8 + [1] * 3 and fresh.plan(8) == 0
     fresh.begin(np.array([7]))  # what earlier generations taught is kept at a quarter of its weight
     assert fresh.plan(8) == fresh._plan(8) == 1
 

@@ -54,6 +54,11 @@ class Drafter(ABC):
         level, sent to the target without its middle model), or ``None`` (the default) to decode the step plainly."""
         return None
 
+    #: whether the cost-aware wrapper may gate this drafter's search, when drafting is free (retrieval), by its
+    #: measured milliseconds against the target steps its accepted tokens save
+    #: (:class:`~hierspec.drafters.source_gate.SourceGate`)
+    gated_search: bool = True
+
     @property
     def proposed_free(self) -> bool:
         """Whether the tree :meth:`propose` last returned is a free proposal rather than a draft at
