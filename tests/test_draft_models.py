@@ -478,10 +478,13 @@ def test_hsddw_flags_its_retrieval_level_sent_before_the_middle_model_starts_as_
     hsddw.begin(prompt)
     tree = hsddw.propose(prompt, 8)
     assert hsddw.proposed_free and tree.num_drafted > 0 and middle.forwards == 0
-    hsddw.config = HSDDWConfig(max_block=8, defer=False)
-    hsddw.start = DeferredStart(middle, defer=False)
-    hsddw.propose(prompt, 8)
-    assert not hsddw.proposed_free and middle.forwards > 0
+    started = _windowed(HSDDWDrafter(PromptLookupDrafter(PromptLookupConfig()), middle,
+                                     HSDDWConfig(max_block=8, defer=False)),
+                        lambda rows: 10.0, lambda tokens: 0.5 * tokens)
+    started.prepare(SamplingConfig(), torch.Generator())
+    started.begin(prompt)
+    started.propose(prompt, 8)
+    assert not started.proposed_free and middle.forwards > 0
     waiting = _windowed(HSDDWDrafter(DraftModelDrafter(DraftLM(small, step_cost=lambda rows: 0.5),
                                                        DraftModelConfig(k=2)), middle, HSDDWConfig(max_block=8)),
                         lambda rows: 10.0, lambda tokens: 0.5 * tokens)

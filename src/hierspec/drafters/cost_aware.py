@@ -265,7 +265,7 @@ class CostAwareDrafter(Drafter):
     def propose(self, context: np.ndarray, budget: int) -> DraftTree:
         self._steps += 1
         if self.search_gate is not None and not self.search_gate.due(self.inner.name):
-            # before the plan: a gated step pays for neither (the plan ~20-34 us)
+            # a retrieval drafter's gated step neither searches nor prices anything
             self.gated_steps += 1
             self._proposed = False
             self._depth = 0
@@ -297,13 +297,9 @@ class CostAwareDrafter(Drafter):
                 self._learn_shape(tree, budget)
             self._depth = int(tree.depths.max())
             return tree
-        # a drafter that pays per drafted token drafts only what is planned; retrieval returns what it finds
-        asked = planned if self.draft_cost(1) > 0 else budget
-        started = time.perf_counter()
-        tree = self.inner.propose(context, asked)
-        if self.search_gate is not None:
-            self._search_ms = 1e3 * (time.perf_counter() - started)
-        self._learn_shape(tree, asked)
+        # a drafter that pays per drafted token (retrieval took _search_and_cut) drafts only what is planned
+        tree = self.inner.propose(context, planned)
+        self._learn_shape(tree, planned)
         if self._exploring:
             return self._cut(tree, planned, probe=True)
         return self._cut(tree, self.best_depth(tree))
