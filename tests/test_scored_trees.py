@@ -17,9 +17,9 @@ def _model_with_rates(rates: dict) -> AcceptanceModel:
     return model
 
 
-# depth 1: rate = (hits + 1) / (trials + 4): 15/16 -> 0.8, 2/6 -> 0.3; deeper, the prior is 4 trials at the rate of
+# depth 1: rate = (hits + 2) / (trials + 4): 14/16 -> 0.8, 1/6 -> 0.3; deeper, the prior is 4 trials at the rate of
 # the depth above: 3.8/6 at depth 2 under 0.8 -> (3.8 + 4 * 0.8) / (6 + 4) = 0.7
-RATES = {("a", 0, 1): (15, 16), ("a", 0, 2): (3.8, 6), ("b", 0, 1): (2, 6)}
+RATES = {("a", 0, 1): (14, 16), ("a", 0, 2): (3.8, 6), ("b", 0, 1): (1, 6)}
 
 
 def _bucketed(rows: int) -> float:
@@ -75,9 +75,9 @@ def test_learning_counts_a_node_only_when_its_parent_was_accepted():
     assert counts(2, 1) == (1, 0)  # node 8: tried, rejected
     assert counts(0, 2) == (1, 0)  # node 6: its parent 5 was accepted
     assert counts(0, 3) == (0, 0)  # node 7: its parent 6 was rejected, so it was never really tried
-    assert model.rate("a", 0, 1) == pytest.approx(2 / 5)
-    assert model.rate("a", 0, 2) == pytest.approx((0 + 4 * 2 / 5) / (1 + 4))  # rejected once, prior at 2/5
-    assert model.rate("a", 0, 3) == pytest.approx((0 + 4 * 0.32) / (0 + 4))  # never tried: as the depth above
+    assert model.rate("a", 0, 1) == pytest.approx(3 / 5)  # (1 hit + 2) / (1 trial + 4)
+    assert model.rate("a", 0, 2) == pytest.approx((0 + 4 * 3 / 5) / (1 + 4))  # rejected once, prior at 3/5
+    assert model.rate("a", 0, 3) == pytest.approx((0 + 4 * 0.48) / (0 + 4))  # never tried: as the depth above
     counts = model.calibration_counts()
     assert sum(counts["nodes"]) == 4 and sum(counts["accepted"]) == 1
 
@@ -108,3 +108,24 @@ def test_siblings_come_in_the_order_their_candidates_reached_them_and_deeper_nod
     assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 5]
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2, 3]
     assert [tree.sequence(i) for i in range(1, 7)] == [[5], [7], [5, 6], [5, 3], [7, 8], [7, 8, 4]]
+
+
+def test_an_untried_cell_starts_at_the_prior_and_each_deeper_depth_at_the_rate_above():
+    assert AcceptanceModel(["a"]).rate("a", 0, 1) == 0.5  # the default: 1 in 2
+    model = AcceptanceModel(["a"], prior=0.25)
+    assert [model.rate("a", 0, depth) for depth in (1, 2, 7)] == [0.25, 0.25, 0.25]
+    model.hits[model.cell("a", 0, 1)], model.trials[model.cell("a", 0, 1)] = 4, 4
+    assert model.rate("a", 0, 1) == pytest.approx((4 + 4 * 0.25) / (4 + 4))  # 0.625
+    assert model.rate("a", 0, 2) == pytest.approx(0.625)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            AcceptanceModel(["a"], prior=bad)
+
+
+def test_on_a_steep_curve_an_untried_source_is_drafted_at_a_one_in_two_prior_and_not_at_one_in_four():
+    def steep(rows: int) -> float:  # each row costs 0.4 step: one node pays when p > 0.4
+        return 1.0 + 0.4 * (rows - 1)
+
+    candidates = [Candidate((5,), "a")]
+    assert select_tree(9, candidates, AcceptanceModel(["a"]), steep, budget=8).tree.tokens.tolist() == [9, 5]
+    assert select_tree(9, candidates, AcceptanceModel(["a"], prior=0.25), steep, budget=8).tree.size == 1

@@ -33,9 +33,13 @@ from hierspec.tree import ROOT_SOURCE, DraftTree, root_only
 _DEPTH_BINS = (0, 0, 1, 2, 3, 4, 4, 5)  # indexed by depth (0 is the root)
 #: confidence bins per source (0 = strongest evidence)
 CONFIDENCE_BINS = 4
-#: a (source, bin) pair's first depth starts as if it had seen this many acceptances out of this many trials; each
-#: deeper depth starts from as many trials at the rate of the depth above it
-PRIOR_HITS, PRIOR_TRIALS = 1.0, 4.0
+#: weight of a cell's prior, in trials: a (source, bin) pair's first depth starts from this many trials at
+#: :attr:`AcceptanceModel.prior`, each deeper depth from as many trials at the rate of the depth above it
+PRIOR_TRIALS = 4.0
+#: the default first-depth prior: 1 in 2, not 1 in 4 — on a steep cost curve (a Zen 1's second row +39 %) a node at
+#: 1 in 4 never pays, so a cell the tree has not tried was tried only by the empty-step exploration (sixty-fifth
+#: session, SmolLM2, 65 dev questions: ``hd`` 1.034x -> 1.084x ``ar``, MAT 1.22 -> 1.62)
+DEFAULT_PRIOR = 0.5
 
 
 class ContextCost:
@@ -119,11 +123,13 @@ class Candidate:
 class AcceptanceModel:
     """Running conditional acceptance rates per (source, confidence bin, depth bin), with a weak prior.
 
-    ``decay`` < 1 weighs recent steps more (the rates follow the text being generated).
+    ``decay`` < 1 weighs recent steps more (the rates follow the text being generated); ``prior`` is the rate a
+    (source, bin) pair's first depth starts from, worth :data:`PRIOR_TRIALS` trials.
     """
 
     sources: Sequence[str]
     decay: float = 0.999
+    prior: float = DEFAULT_PRIOR
     trials: np.ndarray = field(init=False)
     hits: np.ndarray = field(init=False)
     predicted: np.ndarray = field(init=False)
@@ -131,6 +137,8 @@ class AcceptanceModel:
     counted: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.prior < 1.0:
+            raise ValueError(f"an acceptance prior must lie strictly between 0 and 1, not {self.prior}")
         self._index = {name: i for i, name in enumerate(self.sources)}
         shape = (len(self.sources), CONFIDENCE_BINS, max(_DEPTH_BINS) + 1)
         self.trials = np.zeros(shape)
@@ -153,11 +161,11 @@ class AcceptanceModel:
         return float(self.rates()[self.cell(source, confidence, depth)])
 
     def rates(self) -> np.ndarray:
-        """Every cell's rate, ``[sources, confidence bins, depth bins]``: the first depth bin's counts over a prior
-        of :data:`PRIOR_HITS` in :data:`PRIOR_TRIALS`, each deeper bin's over :data:`PRIOR_TRIALS` trials at the
-        rate of the bin above it."""
+        """Every cell's rate, ``[sources, confidence bins, depth bins]``: the first depth bin's counts over
+        :data:`PRIOR_TRIALS` trials at :attr:`prior`, each deeper bin's over as many trials at the rate of the bin
+        above it."""
         rates = np.empty_like(self.trials)
-        prior = np.full(self.trials.shape[:2], PRIOR_HITS / PRIOR_TRIALS)
+        prior = np.full(self.trials.shape[:2], self.prior)
         for level in range(self.trials.shape[2]):
             prior = (self.hits[..., level] + PRIOR_TRIALS * prior) / (self.trials[..., level] + PRIOR_TRIALS)
             rates[..., level] = prior
@@ -167,7 +175,7 @@ class AcceptanceModel:
         """One (source, confidence bin) row of :meth:`rates`, computed alone (the same float operations in the same
         order, so the same values): a step reads only the few rows its candidates fall in."""
         hits, trials = self.hits[source, confidence].tolist(), self.trials[source, confidence].tolist()
-        prior, row = PRIOR_HITS / PRIOR_TRIALS, []
+        prior, row = self.prior, []
         for level_hits, level_trials in zip(hits, trials):
             prior = (level_hits + PRIOR_TRIALS * prior) / (level_trials + PRIOR_TRIALS)
             row.append(prior)
