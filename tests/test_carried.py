@@ -190,7 +190,8 @@ def test_a_learned_state_file_never_runs_code_it_names(tmp_path, caplog):
 
     (tmp_path / "victim").write_text("still here")
     payload = pickle.dumps({"x": Runs()})
-    header = {"magic": "hierspec-learned", "version": VERSION, "key": KEY, "sha256": hashlib.sha256(payload).hexdigest()}
+    header = {"magic": "hierspec-learned", "version": VERSION, "key": KEY,
+              "sha256": hashlib.sha256(payload).hexdigest()}
     path = tmp_path / "evil.learned"
     path.write_bytes(json.dumps(header).encode() + b"\n" + payload)
     with caplog.at_level(logging.WARNING):

@@ -106,8 +106,9 @@ class HierarchyConfig:
             returns to this value when one is accepted. 0 turns exploring off.
         prior: (``tree=scored``) the acceptance rate a database's confidence bin starts from before the tree has
             tried it, worth four trials (1 in 2; 1 in 4 until the sixty-fifth session, when on a Zen 1's steep cost
-            curve a node at 1 in 4 never paid and untried bins waited for an exploration: SmolLM2, 65 dev questions,
-            ``hd`` 1.034x -> 1.084x ``ar``, MAT 1.22 -> 1.62).
+            curve a node at 1 in 4 never paid and untried bins waited for an exploration: SmolLM2, 65 dev questions
+            in one run, ``hd`` 1.069x ``ar`` (MAT 1.55) against 1.032x (MAT 1.30); no gain at 512 tokens or on
+            Qwen2.5-Coder-1.5B).
         a_len: (``tree=scored``) tokens per draft sequence of the longest-match sources ``a`` and ``o`` (``m`` is
             the others', and theirs too in a fixed tree):
             their continuations are accepted deep where the text repeats itself, and the scored tree keeps a deep

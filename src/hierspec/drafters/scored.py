@@ -36,9 +36,7 @@ CONFIDENCE_BINS = 4
 #: weight of a cell's prior, in trials: a (source, bin) pair's first depth starts from this many trials at
 #: :attr:`AcceptanceModel.prior`, each deeper depth from as many trials at the rate of the depth above it
 PRIOR_TRIALS = 4.0
-#: the default first-depth prior: 1 in 2, not 1 in 4 — on a steep cost curve (a Zen 1's second row +39 %) a node at
-#: 1 in 4 never pays, so a cell the tree has not tried was tried only by the empty-step exploration (sixty-fifth
-#: session, SmolLM2, 65 dev questions: ``hd`` 1.034x -> 1.084x ``ar``, MAT 1.22 -> 1.62)
+#: the default first-depth prior (why 1 in 2: :class:`~hierspec.drafters.hierarchy.HierarchyConfig`'s ``prior``)
 DEFAULT_PRIOR = 0.5
 
 
