@@ -138,10 +138,12 @@ def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
     for reference in references[::3]:
         outputs.add(reference)
     forwards_by_order = {}
-    for order, tree in (("cms", "fixed"), ("smc", "fixed"), ("c", "fixed"), ("m", "fixed"), ("cms", "scored"),
-                        ("m", "scored"), ("ao", "scored"), ("acmso", "scored"), ("aocms", "fixed")):
-        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cmsao", tree=tree),
-                                   model, statistics, outputs=outputs)
+    for order, tree, credit in (("cms", "fixed", "best"), ("smc", "fixed", "best"), ("c", "fixed", "best"),
+                                ("m", "fixed", "best"), ("cms", "scored", "best"), ("m", "scored", "best"),
+                                ("ao", "scored", "best"), ("acmso", "scored", "best"), ("acmso", "scored", "shared"),
+                                ("aocms", "fixed", "best")):
+        drafter = HierarchyDrafter(HierarchyConfig(l=2, m=5, n=3, order=order, recycle_topk=2, lead="cmsao", tree=tree,
+                                                   credit=credit), model, statistics, outputs=outputs)
         decoder = SpeculativeDecoder(target, drafter)
         forwards = 0
         accepted = Counter()
@@ -150,8 +152,10 @@ def test_hierarchy_drafting_reproduces_plain_decoding(target, tmp_path):
             assert result.token_ids == reference
             forwards += result.stats.target_forwards
             accepted.update(result.stats.accepted_by_source)
-        forwards_by_order[order, tree] = forwards
+        forwards_by_order[order, tree, credit] = forwards
         if order == "ao":  # both suffix-match sources drafted accepted tokens (outputs: the earlier references)
             assert accepted["automaton"] > 0 and accepted["outputs"] > 0, accepted
-    for key in (("cms", "fixed"), ("m", "fixed"), ("cms", "scored"), ("m", "scored"), ("ao", "scored")):
-        assert forwards_by_order[key] < sum(len(r) for r in references), key
+    for key in (("cms", "fixed"), ("m", "fixed"), ("cms", "scored"), ("m", "scored"), ("ao", "scored"),
+                ("acmso", "scored")):
+        for credit in ("best", "shared") if key == ("acmso", "scored") else ("best",):
+            assert forwards_by_order[(*key, credit)] < sum(len(r) for r in references), (key, credit)

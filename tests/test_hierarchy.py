@@ -157,10 +157,10 @@ def test_frequent_rows_rank_as_np_unique_did(rows, limit, min_count):
 
 
 @pytest.mark.parametrize("option", ["order=cx", "order=cc", "n=0", "s_min_share=2", "l=0", "a_len=0", "prior=0",
-                                    "prior=1"])
+                                    "prior=1", "credit=all"])
 def test_bad_options_are_refused(option):
     target = make_target("llama", vocab_size=32, seed=4)
-    with pytest.raises(InputError, match="order|must|share|>=|between"):
+    with pytest.raises(InputError, match="order|must|share|>=|between|best or"):
         make_drafter(f"hd:{option}", target)
 
 

@@ -82,6 +82,35 @@ def test_learning_counts_a_node_only_when_its_parent_was_accepted():
     assert sum(counts["nodes"]) == 4 and sum(counts["accepted"]) == 1
 
 
+def _learned_counts(credit: str) -> dict:
+    """Trials and hits per cell after one verdict on a tree whose first node two databases proposed."""
+    model = AcceptanceModel(["a", "b"], decay=1.0, credit=credit)
+    candidates = [Candidate((5, 6), "a"), Candidate((5,), "b", confidence=1), Candidate((7,), "b")]
+    scored = select_tree(9, candidates, model, lambda rows: 1.0, budget=8)
+    tree = scored.tree  # BFS: 9 | 5 7 | 6; node 5 proposed by a (bin 0) and by b (bin 1)
+    assert tree.tokens.tolist() == [9, 5, 7, 6]
+    assert scored.proposers[1] == (model.cell("a", 0, 1), model.cell("b", 1, 1))
+    model.learn(scored, Verdict(tree=tree, path=(1,), bonus=3, target_argmax=np.zeros(4, dtype=np.int64)))
+    cells = {("a", 0, 1), ("b", 1, 1), ("b", 0, 1), ("a", 0, 2)}
+    return {key: (model.trials[model.cell(*key)], model.hits[model.cell(*key)]) for key in cells}
+
+
+def test_shared_credit_splits_a_nodes_verdict_among_the_databases_that_proposed_it():
+    counts = _learned_counts("shared")
+    assert counts[("a", 0, 1)] == (0.5, 0.5)  # node 5, accepted: half a trial and half a hit each
+    assert counts[("b", 1, 1)] == (0.5, 0.5)
+    assert counts[("b", 0, 1)] == (1.0, 0.0)  # node 7, b's alone, rejected
+    assert counts[("a", 0, 2)] == (1.0, 0.0)  # node 6, a's alone, rejected
+
+
+def test_best_credit_gives_a_shared_nodes_verdict_to_its_best_estimate_only():
+    counts = _learned_counts("best")
+    assert counts[("a", 0, 1)] == (1.0, 1.0)  # both at the prior: the first proposer keeps the node
+    assert counts[("b", 1, 1)] == (0.0, 0.0)
+    assert counts[("b", 0, 1)] == (1.0, 0.0)
+    assert counts[("a", 0, 2)] == (1.0, 0.0)
+
+
 def test_no_candidates_or_no_budget_drafts_nothing():
     model = AcceptanceModel(["a"])
     assert select_tree(9, [], model, _bucketed, budget=8).tree.size == 1

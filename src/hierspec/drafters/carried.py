@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 #: the first field of a learned-state file's header
 MAGIC = "hierspec-learned"
 #: its format; a file of another version is ignored (and replaced by the next generation's). Raised whenever a
-#: pickled drafter class changes its fields (2: ``hd``'s acceptance model gained ``prior``)
-VERSION = 2
+#: pickled drafter class changes its fields (2: ``hd``'s acceptance model gained ``prior``; 3: ``credit``)
+VERSION = 3
 
 #: the plain types a snapshot may hold besides hierspec's classes and NumPy's arrays
 _BUILTINS = frozenset({"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes",

@@ -52,7 +52,7 @@ from hierspec.drafters.head_source import HeadDatabase
 from hierspec.drafters.hsddw import pre_verified
 from hierspec.drafters.registry import register
 from hierspec.drafters.retrieval_gate import RetrievalGate
-from hierspec.drafters.scored import (DEFAULT_PRIOR, AcceptanceModel, Candidate, ContextCost, ScoredTree,
+from hierspec.drafters.scored import (CREDITS, DEFAULT_PRIOR, AcceptanceModel, Candidate, ContextCost, ScoredTree,
                                       linear_cost, select_tree)
 from hierspec.drafters.source_gate import SourceGate
 from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
@@ -109,6 +109,16 @@ class HierarchyConfig:
             curve a node at 1 in 4 never paid and untried bins waited for an exploration: SmolLM2, 65 dev questions
             in one run, ``hd`` 1.069x ``ar`` (MAT 1.55) against 1.032x (MAT 1.30); no gain at 512 tokens or on
             Qwen2.5-Coder-1.5B).
+        credit: (``tree=scored``) who learns the verdict on a node several databases proposed: ``best`` — the one
+            whose estimate it was drafted at (the default), or ``shared`` — each of them, for an equal share of a
+            trial. With ``best`` the rates are bistable: the higher-rated database takes every shared node, the
+            others learn only from the nodes where they disagree and can fall below what pays, and which one wins
+            depends on the first steps (SmolLM2, Zen 1, 13 dev questions at 512 tokens: 1.204-1.270x ``ar`` in four
+            runs of the same code). ``shared`` repeats itself (two instances in one run within 0.2 %) and gains at
+            512 tokens (1.251-1.260x, MAT 2.8 against 2.1-2.4), but the shared nodes raise each database's rate for
+            its lone nodes too, which then draft rows that do not pay: at 128 tokens 1.046-1.063x against
+            1.055-1.074x on 65 dev questions, 1.086x against 1.104-1.108x on Qwen2.5-Coder-1.5B (BENCHMARKS.md,
+            "Sixty-sixth session").
         a_len: (``tree=scored``) tokens per draft sequence of the longest-match sources ``a`` and ``o`` (``m`` is
             the others', and theirs too in a fixed tree):
             their continuations are accepted deep where the text repeats itself, and the scored tree keeps a deep
@@ -174,6 +184,7 @@ class HierarchyConfig:
     flush_every: int = 8
     explore_every: int = 8
     prior: float = DEFAULT_PRIOR
+    credit: str = "best"
     a_len: int = 12
     a_min_match: int = 1
     o_min_match: int = 2
@@ -194,6 +205,8 @@ class HierarchyConfig:
             raise InputError(f"hd tree {self.tree!r}: use scored or fixed")
         if self.explore_every < 0:
             raise InputError("hd needs explore_every >= 0 (0: never explore)")
+        if self.credit not in CREDITS:
+            raise InputError(f"hd credit {self.credit!r}: use best or shared")
         if not 0.0 < self.prior < 1.0:
             raise InputError(f"hd prior {self.prior}: use a rate strictly between 0 and 1")
         if min(self.a_min_match, self.o_min_match) < 1 or self.o_max_tokens < 2 or self.match_depth < 0:
@@ -376,7 +389,8 @@ class HierarchyDrafter(Drafter):
         self._proposed_length = 0
         self._prompt_length = 0
         self.cost = ContextCost.of(cost or linear_cost)
-        self.acceptance = AcceptanceModel([name for name, _ in self.databases], prior=self.config.prior)
+        self.acceptance = AcceptanceModel([name for name, _ in self.databases], prior=self.config.prior,
+                                          credit=self.config.credit)
         self._scored: ScoredTree | None = None
         self._shared = (0, 0.0)  # other generations' rows and expected tokens in the same forward
         self._backoff = ExplorationBackOff(self.config.explore_every) if self.config.explore_every else None
@@ -575,6 +589,8 @@ class HierarchyDrafter(Drafter):
         if not isinstance(learned, dict) or learned.get("sources") != self.sources:
             return
         self.acceptance = learned["acceptance"]
+        # the learned rates carry over; how they start and are credited is this drafter's own setting
+        self.acceptance.prior, self.acceptance.credit = self.config.prior, self.config.credit
         self._head_gate = learned["head_gate"]
         for name, kept in (("source_gate", learned["source_gate"]), ("search_gate", learned["search_gate"])):
             if getattr(self, name) is not None and kept is not None:

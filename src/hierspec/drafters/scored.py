@@ -36,6 +36,10 @@ CONFIDENCE_BINS = 4
 #: weight of a cell's prior, in trials: a (source, bin) pair's first depth starts from this many trials at
 #: :attr:`AcceptanceModel.prior`, each deeper depth from as many trials at the rate of the depth above it
 PRIOR_TRIALS = 4.0
+#: who learns the verdict on a node several databases proposed (the node is scored at the best of their estimates):
+#: ``best`` — the database whose estimate that was; ``shared`` — each of them, for an equal share of a trial
+#: (:class:`~hierspec.drafters.hierarchy.HierarchyConfig`'s ``credit`` says what each measured)
+CREDITS = ("best", "shared")
 #: the default first-depth prior (why 1 in 2: :class:`~hierspec.drafters.hierarchy.HierarchyConfig`'s ``prior``)
 DEFAULT_PRIOR = 0.5
 
@@ -122,12 +126,14 @@ class AcceptanceModel:
     """Running conditional acceptance rates per (source, confidence bin, depth bin), with a weak prior.
 
     ``decay`` < 1 weighs recent steps more (the rates follow the text being generated); ``prior`` is the rate a
-    (source, bin) pair's first depth starts from, worth :data:`PRIOR_TRIALS` trials.
+    (source, bin) pair's first depth starts from, worth :data:`PRIOR_TRIALS` trials; ``credit`` (:data:`CREDITS`)
+    says which cells learn a node several databases proposed.
     """
 
     sources: Sequence[str]
     decay: float = 0.999
     prior: float = DEFAULT_PRIOR
+    credit: str = "best"
     trials: np.ndarray = field(init=False)
     hits: np.ndarray = field(init=False)
     predicted: np.ndarray = field(init=False)
@@ -137,6 +143,8 @@ class AcceptanceModel:
     def __post_init__(self) -> None:
         if not 0.0 < self.prior < 1.0:
             raise ValueError(f"an acceptance prior must lie strictly between 0 and 1, not {self.prior}")
+        if self.credit not in CREDITS:
+            raise ValueError(f"credit {self.credit!r}: use one of {', '.join(CREDITS)}")
         self._index = {name: i for i, name in enumerate(self.sources)}
         shape = (len(self.sources), CONFIDENCE_BINS, max(_DEPTH_BINS) + 1)
         self.trials = np.zeros(shape)
@@ -193,9 +201,16 @@ class AcceptanceModel:
             self.observed[decile] += accepted[node]
             self.counted[decile] += 1
             if accepted[int(tree.tree.parents[node])]:
-                cell = tree.cells[node]
-                self.trials[cell] += 1
-                self.hits[cell] += accepted[node]
+                credited = tree.proposers[node]
+                if self.credit == "shared" and len(credited) > 1:
+                    share = 1.0 / len(credited)
+                    for cell in credited:
+                        self.trials[cell] += share
+                        self.hits[cell] += share * accepted[node]
+                else:
+                    cell = tree.cells[node]
+                    self.trials[cell] += 1
+                    self.hits[cell] += accepted[node]
 
     def calibration_counts(self) -> dict:
         """Per decile of predicted probability (of landing on the accepted path): nodes, their summed prediction
@@ -206,11 +221,13 @@ class AcceptanceModel:
 
 @dataclass(frozen=True)
 class ScoredTree:
-    """A selected tree with, per node, its estimated probability of lying on the accepted path and its model cell."""
+    """A selected tree with, per node, its estimated probability of lying on the accepted path, its model cell (its
+    best estimate's) and the cells of every database that proposed it (one each, the first it was proposed in)."""
 
     tree: DraftTree
     path_probability: np.ndarray
     cells: tuple[tuple[int, int, int], ...]
+    proposers: tuple[tuple[tuple[int, int, int], ...], ...]
 
     @property
     def expected_tokens(self) -> float:
@@ -223,7 +240,8 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
     """The best-first subtree of the candidates' trie with the most expected tokens per unit of ``cost``.
 
     ``cost(rows)`` is the verification cost of a tree of ``rows`` nodes (root included); at most ``budget`` draft
-    nodes are kept. A node reached by several candidates keeps its best estimate. ``shared``: other generations'
+    nodes are kept. A node reached by several candidates keeps its best estimate (and every proposer's cell, for
+    :meth:`AcceptanceModel.learn`). ``shared``: other generations'
     rows and expected tokens in the same (batched) forward, so that the tree maximises the whole forward's tokens
     per unit of cost.
     """
@@ -252,11 +270,11 @@ def select_tree(root: int, candidates: Sequence[Candidate], model: AcceptanceMod
                      parents=np.array(trie.parents_in(nodes), dtype=np.int64),
                      depths=depth[nodes].astype(np.int64),
                      sources=(ROOT_SOURCE,) + tuple(trie.source[n] for n in nodes[1:]))
-    return ScoredTree(tree, p[nodes], tuple(trie.cell[n] for n in nodes))
+    return ScoredTree(tree, p[nodes], tuple(trie.cell[n] for n in nodes), tuple(trie.proposers[n] for n in nodes))
 
 
 def _empty(root: int) -> ScoredTree:
-    return ScoredTree(root_only(root), np.ones(1), ((0, 0, 0),))
+    return ScoredTree(root_only(root), np.ones(1), ((0, 0, 0),), (((0, 0, 0),),))
 
 
 class _Trie:
@@ -269,6 +287,7 @@ class _Trie:
         self.probability = [1.0]
         self.source = [ROOT_SOURCE]
         self.cell: list[tuple[int, int, int]] = [(0, 0, 0)]
+        self.proposers: list[tuple[tuple[int, int, int], ...]] = [((0, 0, 0),)]
 
     @property
     def size(self) -> int:
@@ -293,10 +312,15 @@ class _Trie:
                 self.depth.append(depth)
                 probability.append(estimate)
                 self.source.append(source)
-                self.cell.append((source_index, confidence, level))
-            elif estimate > probability[child]:
-                probability[child], self.source[child] = estimate, source
-                self.cell[child] = (source_index, confidence, level)
+                cell = (source_index, confidence, level)
+                self.cell.append(cell)
+                self.proposers.append((cell,))
+            else:
+                if all(known[0] != source_index for known in self.proposers[child]):
+                    self.proposers[child] += ((source_index, confidence, level),)
+                if estimate > probability[child]:
+                    probability[child], self.source[child] = estimate, source
+                    self.cell[child] = (source_index, confidence, level)
             node = child
 
     def breadth_first(self, chosen: Sequence[int]) -> list[int]:
