@@ -88,10 +88,10 @@ def test_hd_keeps_learned_rates_but_its_own_prior_and_credit(tmp_path):
     target = make_target("llama", vocab_size=64, seed=3)
     learned = make_drafter("hd", _context(target, tmp_path)).learned()
     learned["acceptance"].trials += 3.0
-    other = make_drafter("hd:prior=0.3,credit=shared", _context(target, tmp_path))
+    other = make_drafter("hd:prior=0.3,credit=best", _context(target, tmp_path))
     other.resume(learned)
     assert other.acceptance.trials.sum() > 0
-    assert (other.acceptance.prior, other.acceptance.credit) == (0.3, "shared")
+    assert (other.acceptance.prior, other.acceptance.credit) == (0.3, "best")
 
 
 def test_the_cost_aware_wrapper_carries_its_depth_counts(tmp_path):

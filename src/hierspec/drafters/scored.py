@@ -40,6 +40,7 @@ PRIOR_TRIALS = 4.0
 #: ``best`` — the database whose estimate that was; ``shared`` — each of them, for an equal share of a trial
 #: (:class:`~hierspec.drafters.hierarchy.HierarchyConfig`'s ``credit`` says what each measured)
 CREDITS = ("best", "shared")
+DEFAULT_CREDIT = "shared"
 #: the default first-depth prior (why 1 in 2: :class:`~hierspec.drafters.hierarchy.HierarchyConfig`'s ``prior``)
 DEFAULT_PRIOR = 0.5
 
@@ -133,7 +134,7 @@ class AcceptanceModel:
     sources: Sequence[str]
     decay: float = 0.999
     prior: float = DEFAULT_PRIOR
-    credit: str = "best"
+    credit: str = DEFAULT_CREDIT
     trials: np.ndarray = field(init=False)
     hits: np.ndarray = field(init=False)
     predicted: np.ndarray = field(init=False)
