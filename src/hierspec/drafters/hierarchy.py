@@ -52,8 +52,8 @@ from hierspec.drafters.head_source import HeadDatabase
 from hierspec.drafters.hsddw import pre_verified
 from hierspec.drafters.registry import register
 from hierspec.drafters.retrieval_gate import RetrievalGate
-from hierspec.drafters.scored import (CREDITS, DEFAULT_CREDIT, DEFAULT_PRIOR, AcceptanceModel, Candidate, ContextCost, ScoredTree,
-                                      linear_cost, select_tree)
+from hierspec.drafters.scored import (CREDITS, DEFAULT_CREDIT, DEFAULT_PRIOR, AcceptanceModel, Candidate,
+                                      ContextCost, ScoredTree, linear_cost, select_tree)
 from hierspec.drafters.source_gate import SourceGate
 from hierspec.drafters.suffix_sources import AutomatonDatabase, OutputsDatabase
 from hierspec.errors import InputError
@@ -114,13 +114,14 @@ class HierarchyConfig:
             the one whose estimate it was drafted at. With ``best`` the rates are bistable: the higher-rated
             database takes every shared node, the others learn only from the nodes where they disagree and can fall
             below what pays, and which one wins depends on the first steps (SmolLM2 on a Zen 1, runs of the same
-            code on the same questions: 1.055-1.093x ``ar`` at 128 tokens, 1.064-1.270x at 512). ``shared`` repeats itself (two instances
-            in one run within 0.2 %) and, over the runs measured, gained on average: 65 dev questions at 128 tokens
-            1.046-1.063x against 1.055-1.074x on one question set and 1.043x against 1.022-1.025x on another; 13 at
-            256 tokens 1.112x against 1.097-1.106x; at 512 1.251-1.260x against 1.204-1.270x. It lost on
-            Qwen2.5-Coder-1.5B without its stores (1.086x against 1.104-1.108x, 8 HumanEval problems): a database's
-            lone nodes take the rate its shared ones earn, and on a Zen 1, where a row costs 0.4 of a step, some
-            of them do not pay (BENCHMARKS.md, "Sixty-sixth session").
+            code on the same questions: 1.055-1.093x ``ar`` at 128 tokens, 1.064-1.270x at 512). ``shared`` repeats
+            itself (two instances in one run within 0.2 %); against ``best`` it lost ~2 % on one set of 65 dev
+            questions at 128 tokens (1.046-1.063x against 1.055-1.093x), gained ~2 % on another (1.043x against
+            1.022-1.025x), ~1 % on 13 questions at 256 tokens (1.112x against 1.097-1.106x) and ~4 % at 512
+            (1.251-1.260x against 1.204-1.270x), and lost ~2 % on Qwen2.5-Coder-1.5B without its stores (1.086x
+            against 1.104-1.108x, 8 HumanEval problems): a database's lone nodes take the rate its shared ones
+            earn, and on a Zen 1, where a row costs 0.4 of a step, some of them do not pay (BENCHMARKS.md,
+            "Sixty-sixth session").
         a_len: (``tree=scored``) tokens per draft sequence of the longest-match sources ``a`` and ``o`` (``m`` is
             the others', and theirs too in a fixed tree):
             their continuations are accepted deep where the text repeats itself, and the scored tree keeps a deep
