@@ -117,7 +117,8 @@ class HierarchyConfig:
             code on the same questions: 1.055-1.093x ``ar`` at 128 tokens, 1.064-1.270x at 512). ``shared`` repeats
             itself (two instances in one run within 0.2 %); against ``best`` it lost ~2 % on one set of 65 dev
             questions at 128 tokens (1.046-1.063x against 1.055-1.093x), gained ~2 % on another (1.043x against
-            1.022-1.025x), ~1 % on 13 questions at 256 tokens (1.112x against 1.097-1.106x) and ~4 % at 512
+            1.022-1.025x), lost ~1 % on a third (1.056x against 1.055-1.071x), gained ~1 % on 13 questions at 256
+            tokens (1.112x against 1.097-1.106x) and ~4 % at 512
             (1.251-1.260x against 1.204-1.270x), and lost ~2 % on Qwen2.5-Coder-1.5B without its stores (1.086x
             against 1.104-1.108x, 8 HumanEval problems): a database's lone nodes take the rate its shared ones
             earn, and on a Zen 1, where a row costs 0.4 of a step, some of them do not pay (BENCHMARKS.md,
