@@ -118,11 +118,10 @@ class HierarchyConfig:
             itself (two instances in one run within 0.2 %); against ``best`` it lost ~2 % on one set of 65 dev
             questions at 128 tokens (1.046-1.063x against 1.055-1.093x), gained ~2 % on another (1.043x against
             1.022-1.025x), lost ~1 % on a third (1.056x against 1.055-1.071x), gained ~1 % on 13 questions at 256
-            tokens (1.112x against 1.097-1.106x) and ~4 % at 512
-            (1.251-1.260x against 1.204-1.270x), and lost ~2 % on Qwen2.5-Coder-1.5B without its stores (1.086x
-            against 1.104-1.108x, 8 HumanEval problems): a database's lone nodes take the rate its shared ones
-            earn, and on a Zen 1, where a row costs 0.4 of a step, some of them do not pay (BENCHMARKS.md,
-            "Sixty-sixth session").
+            tokens (1.112x against 1.097-1.106x) and ~4 % at 512 (1.251-1.260x against 1.204-1.270x), and lost ~2 %
+            on Qwen2.5-Coder-1.5B without its stores (1.086x against 1.104-1.108x, 8 HumanEval problems): a
+            database's lone nodes take the rate its shared ones earn, and on a Zen 1, where a row costs 0.4 of a
+            step, some of them do not pay (BENCHMARKS.md, "Sixty-sixth session").
         a_len: (``tree=scored``) tokens per draft sequence of the longest-match sources ``a`` and ``o`` (``m`` is
             the others', and theirs too in a fixed tree):
             their continuations are accepted deep where the text repeats itself, and the scored tree keeps a deep
@@ -210,7 +209,7 @@ class HierarchyConfig:
         if self.explore_every < 0:
             raise InputError("hd needs explore_every >= 0 (0: never explore)")
         if self.credit not in CREDITS:
-            raise InputError(f"hd credit {self.credit!r}: use best or shared")
+            raise InputError(f"hd credit {self.credit!r}: use {' or '.join(CREDITS)}")
         if not 0.0 < self.prior < 1.0:
             raise InputError(f"hd prior {self.prior}: use a rate strictly between 0 and 1")
         if min(self.a_min_match, self.o_min_match) < 1 or self.o_max_tokens < 2 or self.match_depth < 0:

@@ -303,6 +303,7 @@ class _Trie:
         for depth, token in enumerate(tokens, start=1):
             level = depth_bin(depth)
             estimate = probability[node] * by_level[level]
+            cell = (source_index, confidence, level)
             child = children[node].get(token)
             if child is None:
                 child = len(self.token)
@@ -313,15 +314,13 @@ class _Trie:
                 self.depth.append(depth)
                 probability.append(estimate)
                 self.source.append(source)
-                cell = (source_index, confidence, level)
                 self.cell.append(cell)
                 self.proposers.append((cell,))
             else:
                 if all(known[0] != source_index for known in self.proposers[child]):
-                    self.proposers[child] += ((source_index, confidence, level),)
+                    self.proposers[child] += (cell,)
                 if estimate > probability[child]:
-                    probability[child], self.source[child] = estimate, source
-                    self.cell[child] = (source_index, confidence, level)
+                    probability[child], self.source[child], self.cell[child] = estimate, source, cell
             node = child
 
     def breadth_first(self, chosen: Sequence[int]) -> list[int]:
