@@ -16,9 +16,11 @@ from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
+from hierspec.runtime import cuda_attention
 from hierspec.target import TargetModel, load_model
-from hierspec.tree import build_tree
-from tiny import assert_chain_equals_steps, make_model, make_tokenizer, save_model_dir
+from hierspec.tree import ancestor_matrix, build_tree
+from tiny import (assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer,
+                  save_model_dir)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -171,7 +173,8 @@ def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smoll
     """At SmolLM2's shapes cuBLAS multiplies up to 8 rows with other kernels than 16-64: every graphed forward in
     bfloat16 is padded to 16 rows or more, so a chain of any length verified in one forward gives plain decoding's
     logits bit for bit (with 1-row forwards for plain decoding, chains of 15 or more tokens differed in the last
-    bits)."""
+    bits); and exact attention gives every node of a branching tree its chain's logits (with SDPA a node of a second
+    branch, its ancestors at other slots, differed in the last bits)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -181,8 +184,44 @@ def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smoll
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     target = TargetModel(model, make_tokenizer(VOCAB), "smollm2-shaped")
-    assert target.runtime.buckets[0] == 16
+    assert target.runtime.buckets[0] == 16 and target.runtime.graph_exact
     rng = np.random.default_rng(3)
     prompt, chain = rng.integers(2, 40000, size=300).tolist(), rng.integers(2, 40000, size=63).tolist()
     for length in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 47, 63):
         assert_chain_equals_steps(target, prompt, chain[:length])
+    assert_tree_rows_equal_chains(target, trees=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (12, 2, 128), (4, 4, 32)])
+def test_the_exact_kernel_computes_attention_and_a_rows_bits_do_not_depend_on_where_it_sits(dtype, heads, kv_heads,
+                                                                                             dim):
+    """The Triton kernel against its row-by-row reference; and each node of a branching tree in a 16-row forward
+    gives the same bits as the same token at the head of a 32-row forward with its path copied to consecutive slots
+    (where plain decoding keeps it)."""
+    torch.manual_seed(0)
+    past, width = 300, 1024
+    tree = build_tree(7, [[1, 2, 3, 4], [1, 5], [6, 7, 8], [9]])
+    block = np.eye(16, dtype=bool)
+    block[: tree.size, : tree.size] = ancestor_matrix(tree)
+    plan = np.zeros((16, 18), dtype=np.int32)
+    cuda_attention.write_row_plan(block, past, plan)
+    plan = torch.from_numpy(plan).cuda()
+    query = torch.randn(1, 16, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
+    key, value = (torch.randn(1, kv_heads, width, dim, device="cuda", dtype=dtype) for _ in range(2))
+    out = cuda_attention.attend(query, key, value, plan, dim ** -0.5)
+    expected = cuda_attention.attend_reference(query.double(), key.double(), value.double(), plan, dim ** -0.5)
+    torch.testing.assert_close(out.double(), expected, **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16
+                                                          else {"atol": 1e-5, "rtol": 1e-5}))
+    for node in range(tree.size):
+        slots = cuda_attention.plan_slots(plan, node)
+        moved_key, moved_value = key.clone(), value.clone()
+        moved_key[:, :, : len(slots)], moved_value[:, :, : len(slots)] = key[:, :, slots], value[:, :, slots]
+        alone = np.eye(32, dtype=bool)
+        alone_plan = np.zeros((32, 34), dtype=np.int32)
+        cuda_attention.write_row_plan(alone, len(slots) - 1, alone_plan)
+        alone_query = torch.zeros_like(query[:, :, :1]).repeat(1, 1, 32, 1)
+        alone_query[:, :, 0] = query[:, :, node]
+        alone_out = cuda_attention.attend(alone_query, moved_key, moved_value, torch.from_numpy(alone_plan).cuda(),
+                                          dim ** -0.5)
+        assert torch.equal(alone_out[0, 0], out[0, node]), f"node {node}"

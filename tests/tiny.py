@@ -59,7 +59,8 @@ def assert_chain_equals_steps(target: TargetModel, prompt: list[int], chain: lis
     the same tokens."""
     cache = target.new_cache()
     target.prefill(cache, prompt[:-1])
-    tree_logits = target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits
+    # a copy: on CUDA graphs the next replay of the same bucket overwrites a forward's logits
+    tree_logits = target.forward_tree(cache, build_tree(prompt[-1], [chain])).logits.clone()
     cache = target.new_cache()
     target.prefill(cache, prompt[:-1])
     for node, token in enumerate([prompt[-1], *chain]):
@@ -85,7 +86,7 @@ def assert_tree_rows_equal_chains(target: TargetModel, trees: int = 6, seed: int
         branched += int(np.bincount(tree.parents[1:]).max() > 1)
         cache = target.new_cache()
         target.prefill(cache, prompt[:-1])
-        logits = target.forward_tree(cache, tree).logits
+        logits = target.forward_tree(cache, tree).logits.clone()  # graphs overwrite it on the next replay
         for node in range(tree.size):
             drafts = tree.sequence(node)
             cache = target.new_cache()

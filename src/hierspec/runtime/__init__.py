@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hierspec.errors import InputError
-from hierspec.runtime import attention, onednn
+from hierspec.runtime import attention, cuda_attention, onednn
 from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
 from hierspec.runtime.dense_kernel import DENSE_KERNELS, resolve_dense_kernel
@@ -101,10 +101,12 @@ class RuntimeConfig:
         gguf: the GGUF file the model was loaded from, whose quantized blocks the ``int4`` path multiplies;
             ``None``: the loaded (dequantized) weights only.
         gguf_cache: a directory where the decoded blocks are cached (the file's converted-weights directory).
-        attention: ``"auto"`` (``"exact"`` wherever hierspec's own decoder runs on the CPU, else ``"sdpa"``),
-            ``"sdpa"`` (tree attention by PyTorch's SDPA: chains bit-exact, other branches' nodes may differ in the
-            last bits, which flipped near-ties on a Zen 4) or ``"exact"`` (:mod:`~hierspec.runtime.exact_attention`:
-            every tree row bit-identical to plain decoding; needs hierspec's own decoder, an error otherwise).
+        attention: ``"auto"`` (``"exact"`` wherever hierspec's own decoder runs on the CPU and on CUDA graphs
+            where Triton is installed, else ``"sdpa"``), ``"sdpa"`` (tree attention by PyTorch's SDPA: chains
+            bit-exact, other branches' nodes may differ in the last bits, which flipped near-ties on a Zen 4 and in
+            bfloat16 on an H200) or ``"exact"`` (every tree row bit-identical to plain decoding: on the CPU
+            :mod:`~hierspec.runtime.exact_attention`, needing hierspec's own decoder; on CUDA graphs
+            :mod:`~hierspec.runtime.cuda_attention`; an error elsewhere).
         int4_kernel: the int4 path's product kernel, ``"auto"``, ``"compiled"``, ``"torch"``, ``"amx"``, ``"bf16"``,
             ``"vnni"`` or ``"vnni8"`` (:func:`~hierspec.runtime.quantized.resolve_kernel`).
         kv_cache: the KV cache's storage, ``"auto"`` (float16 where the compiled layers attend exactly: the int4
@@ -203,11 +205,15 @@ class Runtime:
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
         own_cpu_decoder = self.decoder is not None and not use_graphs
-        self.exact = self.config.attention == "exact" or (self.config.attention == "auto" and own_cpu_decoder
-                                                          and self.device.type == "cpu")
+        cuda_reason = cuda_attention.unavailable(self.device) if use_graphs else "not on CUDA graphs"
+        #: exact attention on the CUDA graphs (Triton); :attr:`exact` is the CPU decoder's
+        self.graph_exact = self.config.attention in ("auto", "exact") and cuda_reason is None
+        self.exact = not self.graph_exact and (self.config.attention == "exact" or (
+            self.config.attention == "auto" and own_cpu_decoder and self.device.type == "cpu"))
         if self.exact and not own_cpu_decoder:
             raise InputError("exact tree attention needs hierspec's own decoder on the CPU (a Llama-family model, "
-                             "not --decoder transformers, not CUDA graphs)")
+                             "not --decoder transformers) or CUDA graphs with Triton "
+                             f"({'CUDA graphs off' if cuda_reason == 'not on CUDA graphs' else cuda_reason})")
         self.buckets: Sequence[int] = (self.config.buckets if self.config.buckets is not None
                                        else default_buckets(self.kind, self.device, self.dtype))
         # keys attended in whole blocks of CPU attention: a row's attention then does not depend on the tree beside it
@@ -218,7 +224,8 @@ class Runtime:
         self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(text_config, "head_dim", None) or text_config.hidden_size // heads)
         self.inputs = TreeInputs(self.device, groups=heads // self.kv_heads, align=self.align)
-        self.graphed = GraphedForward(model, self.device, heads // self.kv_heads, capture=True) if use_graphs else None
+        self.graphed = (GraphedForward(model, self.device, heads // self.kv_heads, capture=True, exact=self.graph_exact)
+                        if use_graphs else None)
         self.kv_dtype = self._cache_dtype()
         self._static_cache: StaticTreeCache | None = None
         self._batch_inputs: list[TreeInputs] = []  # one per sequence of a batched forward, allocated once
@@ -318,7 +325,7 @@ class Runtime:
                 "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
                 "weights": (("gguf-int4" if self.config.gguf else "rounded-int4") if self.kind == "int4"
                             else str(self.dtype).removeprefix("torch.")),
-                "attention": "exact" if self.exact else "sdpa",
+                "attention": "exact" if self.exact or self.graph_exact else "sdpa",
                 "int4_kernel": self.int4_kernel.four_bit if self.kind == "int4" else None,
                 "int8_kernel": self.int4_kernel.eight_bit if self.kind == "int4" else None,
                 "prompt_kernel": self.prompt_kernel, "dense_kernel": self.dense_kernel,

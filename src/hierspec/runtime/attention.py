@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hierspec.runtime import cuda_attention
+
 NAME = "hierspec_tree"
 
 
@@ -36,9 +38,13 @@ def tree_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
     Shapes: ``query [b, heads, q, d]``, ``key``/``value`` ``[b, kv_heads, k, d]``, ``attention_mask`` ``[b|1, 1, q,
     k]`` (bool, True = attend), already folded as ``[b|1, 1, g * q, k]`` (the runtime's tree masks, folded once per
-    forward rather than once per layer), or ``None`` (causal when ``q == k``, else unmasked). Returns
-    ``[b, q, heads, d]``.
+    forward rather than once per layer), ``None`` (causal when ``q == k``, else unmasked), or an int32 ``[1, 1, q,
+    2 + P]`` row plan of the graphed CUDA runtime (exact attention, :mod:`~hierspec.runtime.cuda_attention`).
+    Returns ``[b, q, heads, d]``.
     """
+    if attention_mask is not None and attention_mask.dtype == cuda_attention.PLAN_DTYPE:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return cuda_attention.attend(query, key, value, attention_mask[0, 0], scale), None
     batch, heads, q_len, dim = query.shape
     groups = heads // key.shape[1]
     if groups > 1:

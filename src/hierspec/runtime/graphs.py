@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hierspec.runtime.cuda_attention import PLAN_DTYPE, write_row_plan
 from hierspec.runtime.kv_cache import cache_argument
 from hierspec.tree import DraftTree, ancestor_matrix
 
@@ -149,13 +150,15 @@ class GraphedForward:
     """Tree forwards of one model on a :class:`StaticTreeCache`, replayed from CUDA graphs when ``capture``.
 
     ``groups`` is the number of query heads per key/value head: the mask is written folded, as
-    :func:`hierspec.runtime.attention.tree_attention` reads it. ``warmup`` eager forwards precede each capture
-    (libraries choose kernels and allocate workspaces on first calls, which a graph must not record).
+    :func:`hierspec.runtime.attention.tree_attention` reads it. With ``exact``, tree forwards get a row plan instead
+    of a mask (exact attention, :mod:`~hierspec.runtime.cuda_attention`). ``warmup`` eager forwards precede each
+    capture (libraries choose kernels and allocate workspaces on first calls, which a graph must not record).
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device, groups: int, capture: bool,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, exact: bool = False) -> None:
         self.model, self.device, self.groups = model, device, max(1, groups)
+        self.exact = exact
         self.capture = capture and device.type == "cuda"
         self.warmup = warmup
         self._shapes: dict[tuple[int, int, bool], _Shape] = {}
@@ -208,13 +211,16 @@ class GraphedForward:
         key = (rows, width, want_hidden)
         if key not in self._shapes:
             pin = self.device.type == "cuda"
+            # a row plan per row, or the folded boolean mask
+            mask_shape, mask_dtype = ((rows, 2 + rows), PLAN_DTYPE) if self.exact else ((self.groups * rows, width),
+                                                                                        torch.bool)
             self._shapes[key] = _Shape(
                 ids=torch.zeros((1, rows), dtype=torch.long, device=self.device),
                 positions=torch.zeros((1, rows), dtype=torch.long, device=self.device),
                 slots=torch.zeros(rows, dtype=torch.long, device=self.device),
-                mask=torch.zeros((1, 1, self.groups * rows, width), dtype=torch.bool, device=self.device),
+                mask=torch.zeros((1, 1, *mask_shape), dtype=mask_dtype, device=self.device),
                 staging=torch.zeros((3, rows), dtype=torch.long, pin_memory=pin),
-                mask_staging=torch.zeros((self.groups * rows, width), dtype=torch.bool, pin_memory=pin),
+                mask_staging=torch.zeros(mask_shape, dtype=mask_dtype, pin_memory=pin),
             )
         return self._shapes[key]
 
@@ -232,14 +238,17 @@ class GraphedForward:
         staged[2, :] = np.arange(past, past + rows)
         block = np.eye(rows, dtype=bool)
         block[:n, :n] = ancestor_matrix(tree)
-        mask = shape.mask_staging.numpy().reshape(self.groups, rows, width)
-        mask[:, :, :past] = True
-        mask[:, :, past : past + rows] = block
-        mask[:, :, past + rows :] = False
+        if self.exact:
+            write_row_plan(block, past, shape.mask_staging.numpy())
+        else:
+            mask = shape.mask_staging.numpy().reshape(self.groups, rows, width)
+            mask[:, :, :past] = True
+            mask[:, :, past : past + rows] = block
+            mask[:, :, past + rows :] = False
         shape.ids.copy_(shape.staging[0:1], non_blocking=True)
         shape.positions.copy_(shape.staging[1:2], non_blocking=True)
         shape.slots.copy_(shape.staging[2], non_blocking=True)
-        shape.mask.view(self.groups * rows, width).copy_(shape.mask_staging, non_blocking=True)
+        shape.mask[0, 0].copy_(shape.mask_staging, non_blocking=True)
         if self.device.type == "cuda":
             # the host staging buffers are rewritten by the next step: wait until these copies have read them
             torch.cuda.current_stream(self.device).synchronize()

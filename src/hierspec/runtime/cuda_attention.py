@@ -1,0 +1,142 @@
+"""Exact tree attention on CUDA: every tree row's attention bit-identical to the same token in plain decoding.
+
+GPU attention kernels (PyTorch's SDPA) sum a row's keys in lanes and blocks laid out by the *slots* the keys sit
+in. A node of a second branch sees its ancestors at breadth-first slots, with other branches' nodes masked between
+them, while plain decoding puts the same tokens in consecutive slots: the sums pair up differently, the last bits
+of bfloat16 logits move, and near-ties flip (on an H200, 2026-12-04: `hd` left bfloat16 plain decoding on 7 of 13
+dev questions while chains, `pld`, stayed identical; BENCHMARKS.md). Here one Triton program per (row, key/value
+head) walks the row's *logical* key sequence — the cached context, then the row's path from the root — in blocks of
+a fixed size, with an online softmax in float32; its arithmetic reads nothing of other rows and depends on that
+sequence alone, so a token gives the same bits alone, in a chain or at any depth of any tree, in a forward of any
+row count. The CPU's counterpart is :mod:`hierspec.runtime.exact_attention`.
+
+Each forward's rows are described by a *row plan*, int32 ``[rows, 2 + rows]``: ``(context, keys, path...)`` —
+row ``r`` attends slots ``0 .. context - 1`` and then ``path[0 .. keys - context - 1]``. The graphed runtime writes
+it once per forward (:func:`write_row_plan`) and hands it to the attention function in place of the boolean mask
+(transformers passes a 4-D mask through untouched). Integer arguments are not specialised and every pointer the
+kernel reads is a whole allocation or a slot-0 view of the cache, so one compiled kernel serves every call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:  # Triton ships with PyTorch's CUDA builds; CPU-only builds come without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the PyTorch build
+    triton = None
+
+#: the row plan's dtype: a 4-D attention mask of this dtype is a row plan, not a mask
+PLAN_DTYPE = torch.int32
+#: product elements (query heads x keys x head dimensions) one program holds per key block
+_BLOCK_ELEMENTS = 8192
+
+
+def unavailable(device: torch.device) -> str | None:
+    """Why exact tree attention cannot run on ``device`` (``None`` when it can)."""
+    if device.type != "cuda":
+        return "exact CUDA attention needs a CUDA device"
+    if triton is None:
+        return "exact CUDA attention needs Triton (installed with PyTorch's CUDA builds)"
+    return None
+
+
+def write_row_plan(block: np.ndarray, past: int, out: np.ndarray) -> None:
+    """Write the row plan of a forward into ``out`` (int32 ``[rows, 2 + rows]``).
+
+    ``block`` is the boolean ``[rows, rows]`` matrix of the forward's own rows each row attends (a tree's ancestor
+    matrix, itself included; a padding row itself only), ``past`` the number of cached entries before them. For a
+    breadth-first tree the attended rows in ascending order are the row's path from the root."""
+    rows = block.shape[0]
+    out[:, 0] = past
+    out[:, 1] = past + np.count_nonzero(block, axis=1)
+    out[:, 2 : 2 + rows] = past + np.argsort(~block, axis=1, kind="stable")
+
+
+def plan_slots(plan: torch.Tensor, row: int) -> torch.Tensor:
+    """The slots row ``row`` of a row plan attends, in its logical order."""
+    context, keys = int(plan[row, 0]), int(plan[row, 1])
+    return torch.cat((torch.arange(context, device=plan.device), plan[row, 2 : 2 + keys - context].long()))
+
+
+def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """What :func:`attend` computes, row by row with PyTorch's operations (tests): ``[1, rows, heads, d]``."""
+    _, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    out = torch.empty((1, rows, heads, dim), dtype=query.dtype, device=query.device)
+    for row in range(rows):
+        slots = plan_slots(plan, row)
+        for head in range(heads):
+            keys, values = key[0, head // groups, slots], value[0, head // groups, slots]
+            weights = torch.softmax((keys @ query[0, head, row]) * scale, dim=0)
+            out[0, row, head] = weights @ values
+    return out
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Attention of ``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, slots, d]`` (views of a
+    cache, last dimension contiguous) as ``plan`` (int32 ``[rows, 2 + P]``) says; returns ``[1, rows, heads, d]``
+    in the query's dtype, computed in float32."""
+    _, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or plan.stride(1) != 1:
+        raise ValueError("exact CUDA attention needs the head dimension contiguous")
+    out = torch.empty((1, rows, heads, dim), dtype=query.dtype, device=query.device)
+    group_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
+    block = max(8, min(64, _BLOCK_ELEMENTS // (group_pad * dim_pad)))
+    _attend_rows[(rows, kv_heads)](
+        query, key, value, plan, out, float(scale),
+        query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
+        plan.stride(0), out.stride(1), out.stride(2),
+        GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, BLOCK=block, num_warps=4)
+    return out
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["q_head", "q_row", "k_head", "k_slot", "v_head", "v_slot", "plan_row", "o_row",
+                                   "o_head"])
+    def _attend_rows(q_ptr, k_ptr, v_ptr, plan_ptr, o_ptr, scale, q_head, q_row, k_head, k_slot, v_head, v_slot,
+                     plan_row, o_row, o_head, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                     DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - runs on a GPU
+        """One (row, key/value head): the grouped query heads of that row over the row's logical keys, in blocks of
+        ``BLOCK`` keys, online softmax in float32."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        plan = plan_ptr + row * plan_row
+        context = tl.load(plan)
+        keys = tl.load(plan + 1)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        heads = kv_head * GROUPS + group
+        live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
+        query = tl.load(q_ptr + heads[:, None] * q_head + row * q_row + dims[None, :], mask=live,
+                        other=0.0).to(tl.float32)
+        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for start in tl.range(0, keys, BLOCK):
+            n = start + tl.arange(0, BLOCK)
+            valid = n < keys
+            on_path = tl.load(plan + 2 + (n - context), mask=valid & (n >= context), other=0)
+            slot = tl.where(n < context, n, on_path)
+            entry = valid[:, None] & (dims[None, :] < DIM)
+            k = tl.load(k_ptr + kv_head * k_head + slot[:, None] * k_slot + dims[None, :], mask=entry,
+                        other=0.0).to(tl.float32)
+            scores = tl.sum(query[:, None, :] * k[None, :, :], axis=2) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            new_top = tl.maximum(top, tl.max(scores, axis=1))
+            rescale = tl.exp(top - new_top)
+            weights = tl.exp(scores - new_top[:, None])
+            total = total * rescale + tl.sum(weights, axis=1)
+            v = tl.load(v_ptr + kv_head * v_head + slot[:, None] * v_slot + dims[None, :], mask=entry,
+                        other=0.0).to(tl.float32)
+            acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+            top = new_top
+        result = acc / total[:, None]
+        tl.store(o_ptr + row * o_row + heads[:, None] * o_head + dims[None, :],
+                 result.to(o_ptr.dtype.element_ty), mask=live)
