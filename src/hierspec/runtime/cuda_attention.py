@@ -30,8 +30,11 @@ except ImportError:  # pragma: no cover - depends on the PyTorch build
 
 #: the row plan's dtype: a 4-D attention mask of this dtype is a row plan, not a mask
 PLAN_DTYPE = torch.int32
-#: product elements (query heads x keys x head dimensions) one program holds per key block
-_BLOCK_ELEMENTS = 8192
+#: (keys a block, warps) by the padded query heads x head dimensions of a key/value head: the fastest of eight
+#: variants at SmolLM2's (3 x 64) and Qwen2.5-1.5B's (6 x 128) shapes on an H200 (scripts/cuda_attention_bench.py,
+#: BENCHMARKS.md); any fixed choice keeps rows exact, it only has to be the same for every forward of a model
+_SMALL_HEADS = (64, 8)
+_LARGE_HEADS = (16, 4)
 
 
 def unavailable(device: torch.device) -> str | None:
@@ -76,11 +79,12 @@ def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out
 
 
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float,
+           variant: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Attention of ``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, slots, d]`` (views of a
     cache, last dimension contiguous) as ``plan`` (int32 ``[rows, 2 + P]``) says; returns ``[1, rows, heads, d]``
-    in the query's dtype, computed in float32."""
+    in the query's dtype, computed in float32. ``variant`` — ``(keys a block, warps, pipeline stages)`` — overrides
+    the kernel's shape (``scripts/cuda_attention_bench.py`` times them)."""
     _, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -88,12 +92,16 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: to
         raise ValueError("exact CUDA attention needs the head dimension contiguous")
     out = torch.empty((1, rows, heads, dim), dtype=query.dtype, device=query.device)
     group_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
-    block = max(8, min(64, _BLOCK_ELEMENTS // (group_pad * dim_pad)))
+    block, warps = _SMALL_HEADS if group_pad * dim_pad <= 256 else _LARGE_HEADS
+    stages = None
+    if variant is not None:
+        block, warps, stages = variant
     _attend_rows[(rows, kv_heads)](
         query, key, value, plan, out, float(scale),
         query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
         plan.stride(0), out.stride(1), out.stride(2),
-        GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, BLOCK=block, num_warps=4)
+        GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, BLOCK=block, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}))
     return out
 
 
