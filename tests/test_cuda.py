@@ -130,6 +130,14 @@ def _graphed(dtype: torch.dtype, seed: int = 6) -> TargetModel:
     return TargetModel(model, make_tokenizer(VOCAB), "tiny-graphs")
 
 
+def test_exact_attention_serves_float32_and_below_and_a_float64_model_keeps_sdpa(pair):
+    _, gpu = pair
+    assert gpu.runtime.kind == "graphs" and not gpu.runtime.graph_exact  # the kernel computes in float32
+    assert gpu.runtime.describe()["attention"] == "sdpa"
+    for dtype in (torch.float32, torch.bfloat16):
+        assert _graphed(dtype).runtime.describe()["attention"] == "exact"
+
+
 def test_cuda_runs_on_graphs_by_default_and_replay_equals_the_same_forward_uncaptured():
     target = _graphed(torch.float32)
     assert target.runtime.kind == "graphs"

@@ -100,14 +100,15 @@ def test_exact_attention_needs_cuda_graphs_with_triton_or_the_cpu_decoder():
         TargetModel(model, make_tokenizer(VOCAB), "tiny", RuntimeConfig(kind="graphs", attention="exact"))
     static = TargetModel(model, make_tokenizer(VOCAB), "tiny", RuntimeConfig(kind="graphs"))
     assert not static.runtime.graph_exact  # the CPU: the boolean mask and SDPA
-    assert cuda_attention.unavailable(torch.device("cpu")) is not None
+    assert cuda_attention.unavailable(torch.device("cpu"), torch.bfloat16) is not None
+    assert "float64" in cuda_attention.unavailable(torch.device("cuda"), torch.float64)
 
 
 @pytest.fixture
 def planned_static(monkeypatch):
     """A tiny float64 model on the graphed runtime's row-plan path, run uncaptured on the CPU with the kernel's
     reference in place of the Triton kernel."""
-    monkeypatch.setattr(cuda_attention, "unavailable", lambda device: None)
+    monkeypatch.setattr(cuda_attention, "unavailable", lambda device, dtype: None)
     monkeypatch.setattr(cuda_attention, "attend", cuda_attention.attend_reference)
     model = make_model("qwen2", vocab_size=VOCAB, seed=4, layers=3)
     # one bucket, as on CUDA in bfloat16: the CPU's float64 products of 1 and 2 rows differ in the last bits

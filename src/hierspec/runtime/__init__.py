@@ -205,7 +205,7 @@ class Runtime:
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
         own_cpu_decoder = self.decoder is not None and not use_graphs
-        cuda_reason = cuda_attention.unavailable(self.device) if use_graphs else "not on CUDA graphs"
+        cuda_reason = cuda_attention.unavailable(self.device, self.dtype) if use_graphs else "not on CUDA graphs"
         #: exact attention on the CUDA graphs (Triton); :attr:`exact` is the CPU decoder's
         self.graph_exact = self.config.attention in ("auto", "exact") and cuda_reason is None
         self.exact = not self.graph_exact and (self.config.attention == "exact" or (

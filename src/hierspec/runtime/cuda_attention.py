@@ -37,10 +37,16 @@ _SMALL_HEADS = (64, 8)
 _LARGE_HEADS = (16, 4)
 
 
-def unavailable(device: torch.device) -> str | None:
-    """Why exact tree attention cannot run on ``device`` (``None`` when it can)."""
+#: model dtypes the kernel serves (it computes in float32: a float64 model keeps PyTorch's attention)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why exact tree attention cannot run on ``device`` for a model in ``dtype`` (``None`` when it can)."""
     if device.type != "cuda":
         return "exact CUDA attention needs a CUDA device"
+    if dtype not in DTYPES:
+        return f"exact CUDA attention computes in float32, not for a {str(dtype).removeprefix('torch.')} model"
     if triton is None:
         return "exact CUDA attention needs Triton (installed with PyTorch's CUDA builds)"
     return None
