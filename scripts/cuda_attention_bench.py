@@ -3,9 +3,17 @@ layer, at the attention shapes of SmolLM2-135M and Qwen2.5-1.5B, for several ker
 pipeline stages; every variant is checked against the row-by-row reference first.
 
     python scripts/cuda_attention_bench.py [--out results.jsonl]
+    python scripts/cuda_attention_bench.py --split [--out results.jsonl]   # the split-key candidate too
 
 Thirty calls (one per layer) are captured in one CUDA graph and replayed, as the graphed runtime runs them, so
 launch overhead from Python is not counted.
+
+``--split`` adds a candidate not yet in the runtime (written without a GPU on 2026-12-04, checked only in Triton's
+interpreter): the one-pass kernel walks all of a row's keys in one program, several times slower than SDPA over
+~2,000 keys; here each program takes one chunk of ``CHUNK`` *logical* keys (chunk boundaries fixed by the row's own
+key sequence, not by slots) and writes its partial softmax, and a second kernel merges a row's chunks in order. A
+row's bits then still depend on its query and logical keys alone; the script checks that (a row moved to another
+slot layout and row position gives the same bits) before it times anything.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from hierspec.runtime.attention import tree_attention
 from hierspec.tree import ancestor_matrix, build_tree
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}
+#: split-key candidates: (logical keys a chunk, keys a block, warps)
+SPLITS = [(128, 64, 4), (256, 64, 8), (256, 32, 4), (512, 64, 8)]
 VARIANTS = [(16, 4, 1), (32, 4, 1), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 2), (32, 2, 2), (16, 2, 2)]
 LAYERS = 30
 
@@ -45,9 +55,127 @@ def graph_time_us(call, repeats: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / (repeats * LAYERS)
 
 
+triton, tl = cuda_attention.triton, None
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["q_head", "q_row", "k_head", "k_slot", "v_head", "v_slot", "plan_row", "chunks"])
+    def _chunk_partials(q_ptr, k_ptr, v_ptr, plan_ptr, part_ptr, scale, q_head, q_row, k_head, k_slot, v_head, v_slot,
+                        plan_row, chunks, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                        DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """One (row, key/value head, chunk): the softmax partial (top, total, weighted values) of the row's logical
+        keys ``chunk * CHUNK ..`` (the last chunk cut at the row's key count)."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        chunk = tl.program_id(2)
+        plan = plan_ptr + row * plan_row
+        context = tl.load(plan)
+        keys = tl.load(plan + 1)
+        begin = chunk * CHUNK
+        if begin < keys:
+            group = tl.arange(0, GROUP_PAD)
+            dims = tl.arange(0, DIM_PAD)
+            heads = kv_head * GROUPS + group
+            live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
+            query = tl.load(q_ptr + heads[:, None] * q_head + row * q_row + dims[None, :], mask=live,
+                            other=0.0).to(tl.float32)
+            top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            for start in tl.range(0, CHUNK, BLOCK):
+                n = begin + start + tl.arange(0, BLOCK)
+                valid = n < keys
+                on_path = tl.load(plan + 2 + (n - context), mask=valid & (n >= context), other=0)
+                slot = tl.where(n < context, n, on_path)
+                entry = valid[:, None] & (dims[None, :] < DIM)
+                k = tl.load(k_ptr + kv_head * k_head + slot[:, None] * k_slot + dims[None, :], mask=entry,
+                            other=0.0).to(tl.float32)
+                scores = tl.sum(query[:, None, :] * k[None, :, :], axis=2) * scale
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_top = tl.maximum(top, tl.max(scores, axis=1))
+                rescale = tl.exp(top - new_top)
+                weights = tl.exp(scores - new_top[:, None])
+                total = total * rescale + tl.sum(weights, axis=1)
+                v = tl.load(v_ptr + kv_head * v_head + slot[:, None] * v_slot + dims[None, :], mask=entry,
+                            other=0.0).to(tl.float32)
+                acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
+                top = new_top
+            width = DIM_PAD + 2
+            base = part_ptr + ((row * tl.num_programs(1) + kv_head) * chunks + chunk) * GROUP_PAD * width
+            tl.store(base + group[:, None] * width + dims[None, :], acc)
+            tl.store(base + group * width + DIM_PAD, top)
+            tl.store(base + group * width + DIM_PAD + 1, total)
+
+    @triton.jit(do_not_specialize=["plan_row", "chunks", "o_row", "o_head"])
+    def _merge_chunks(plan_ptr, part_ptr, o_ptr, plan_row, chunks, o_row, o_head, GROUPS: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, CHUNK: tl.constexpr):
+        """One (row, key/value head): the row's chunk partials merged in chunk order."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        keys = tl.load(plan_ptr + row * plan_row + 1)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        width = DIM_PAD + 2
+        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for chunk in tl.range(0, (keys + CHUNK - 1) // CHUNK):
+            base = part_ptr + ((row * tl.num_programs(1) + kv_head) * chunks + chunk) * GROUP_PAD * width
+            part_top = tl.load(base + group * width + DIM_PAD)
+            new_top = tl.maximum(top, part_top)
+            mine, theirs = tl.exp(top - new_top), tl.exp(part_top - new_top)
+            total = total * mine + tl.load(base + group * width + DIM_PAD + 1) * theirs
+            acc = acc * mine[:, None] + tl.load(base + group[:, None] * width + dims[None, :]) * theirs[:, None]
+            top = new_top
+        heads = kv_head * GROUPS + group
+        live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
+        tl.store(o_ptr + row * o_row + heads[:, None] * o_head + dims[None, :],
+                 (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=live)
+
+
+def attend_split(query, key, value, plan, scale, split):
+    """The split-key candidate: ``cuda_attention.attend``'s inputs and output, ``split = (chunk, block, warps)``."""
+    chunk, block, warps = split
+    _, heads, rows, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    group_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
+    chunks = -(-key.shape[2] // chunk)  # by the cache's width, the same every forward (a graph's grid is fixed)
+    part = torch.empty((rows, kv_heads, chunks, group_pad, dim_pad + 2), dtype=torch.float32, device=query.device)
+    _chunk_partials[(rows, kv_heads, chunks)](
+        query, key, value, plan, part, float(scale), query.stride(1), query.stride(2), key.stride(1), key.stride(2),
+        value.stride(1), value.stride(2), plan.stride(0), chunks, GROUPS=groups, GROUP_PAD=group_pad, DIM=dim,
+        DIM_PAD=dim_pad, BLOCK=block, CHUNK=chunk, num_warps=warps)
+    out = torch.empty((1, rows, heads, dim), dtype=query.dtype, device=query.device)
+    _merge_chunks[(rows, kv_heads)](plan, part, out, plan.stride(0), chunks, out.stride(1), out.stride(2),
+                                    GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, CHUNK=chunk,
+                                    num_warps=4)
+    return out
+
+
+def split_keeps_rows_exact(query, key, value, plan, tree_size: int, scale: float, split) -> bool:
+    """Each tree row's output equals, bit for bit, the same query at the head of a 32-row forward whose keys hold
+    the row's logical keys at consecutive slots (where plain decoding keeps them)."""
+    out = attend_split(query, key, value, plan, scale, split)
+    for node in range(tree_size):
+        slots = cuda_attention.plan_slots(plan, node)
+        moved_key, moved_value = key.clone(), value.clone()
+        moved_key[:, :, : len(slots)], moved_value[:, :, : len(slots)] = key[:, :, slots], value[:, :, slots]
+        alone_plan = np.zeros((32, 34), dtype=np.int32)
+        cuda_attention.write_row_plan(np.eye(32, dtype=bool), len(slots) - 1, alone_plan)
+        alone_query = torch.zeros_like(query[:, :, :1]).repeat(1, 1, 32, 1)
+        alone_query[:, :, 0] = query[:, :, node]
+        alone = attend_split(alone_query, moved_key, moved_value, torch.from_numpy(alone_plan).to(plan.device), scale,
+                             split)
+        if not torch.equal(alone[0, 0], out[0, node]):
+            return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--split", action="store_true", help="also check and time the split-key candidate")
     args = parser.parse_args()
     rows = 16
     tree = build_tree(7, [[1, 2, 3, 4], [1, 5], [6, 7, 8], [9]])
@@ -76,6 +204,13 @@ def main() -> None:
                 error = float((out.double() - expected).abs().max())
                 us = graph_time_us(lambda: cuda_attention.attend(query, key, value, plan, scale, variant))
                 record["variants"][f"b{block}-w{warps}-s{stages}"] = {"us": round(us, 2), "max_error": error}
+            for split in SPLITS if args.split else ():
+                out = attend_split(query, key, value, plan, scale, split)
+                error = float((out.double() - expected).abs().max())
+                exact = split_keeps_rows_exact(query, key, value, plan, tree.size, scale, split)
+                us = graph_time_us(lambda: attend_split(query, key, value, plan, scale, split))
+                record["variants"]["split-c{}-b{}-w{}".format(*split)] = {"us": round(us, 2), "max_error": error,
+                                                                          "rows_exact": exact}
             print(json.dumps(record), flush=True)
             records.append(record)
     if args.out:
