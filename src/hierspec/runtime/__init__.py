@@ -205,15 +205,14 @@ class Runtime:
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
         own_cpu_decoder = self.decoder is not None and not use_graphs
-        cuda_reason = cuda_attention.unavailable(self.device, self.dtype) if use_graphs else "not on CUDA graphs"
+        cuda_reason = cuda_attention.unavailable(self.device, self.dtype) if use_graphs else "CUDA graphs off"
         #: exact attention on the CUDA graphs (Triton); :attr:`exact` is the CPU decoder's
         self.graph_exact = self.config.attention in ("auto", "exact") and cuda_reason is None
         self.exact = not self.graph_exact and (self.config.attention == "exact" or (
             self.config.attention == "auto" and own_cpu_decoder and self.device.type == "cpu"))
         if self.exact and not own_cpu_decoder:
             raise InputError("exact tree attention needs hierspec's own decoder on the CPU (a Llama-family model, "
-                             "not --decoder transformers) or CUDA graphs with Triton "
-                             f"({'CUDA graphs off' if cuda_reason == 'not on CUDA graphs' else cuda_reason})")
+                             f"not --decoder transformers) or CUDA graphs with Triton ({cuda_reason})")
         self.buckets: Sequence[int] = (self.config.buckets if self.config.buckets is not None
                                        else default_buckets(self.kind, self.device, self.dtype))
         # keys attended in whole blocks of CPU attention: a row's attention then does not depend on the tree beside it
