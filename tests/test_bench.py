@@ -167,6 +167,8 @@ def test_bench_end_to_end_on_tiny_model(tmp_path, model_dir):
     assert sum(row["nodes"] for row in calibration) == summary["methods"]["hd:l=1"]["drafted"]
     assert (out / "calibration.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Scored trees: predicted against observed acceptance" in (out / "report.md").read_text()
+    # the header says which tree attention ran (exact: every tree row bit-identical to plain decoding)
+    assert f"decoder and {summary['runtime']['attention']} attention," in (out / "report.md").read_text()
     for name in ("ar", "hf-ar", "pld", "hd:l=1"):
         m = summary["methods"][name]
         assert set(m["per_task"]) == {"mt_bench", "translation"}
