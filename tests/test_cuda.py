@@ -19,8 +19,8 @@ from hierspec.methods import DrafterContext, make_drafter
 from hierspec.runtime import cuda_attention
 from hierspec.target import TargetModel, load_model
 from hierspec.tree import ancestor_matrix, build_tree
-from tiny import (assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer,
-                  save_model_dir)
+from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
+                  make_model, make_tokenizer, save_model_dir)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -163,17 +163,9 @@ def test_cuda_runs_on_graphs_by_default_and_replay_equals_the_same_forward_uncap
 def test_graphed_drafting_equals_graphed_plain_decoding_in_low_precision(dtype):
     """Batch invariance on the GPU: a token's logits do not depend on the tree or bucket it is verified in, so
     every method gives plain decoding's tokens in bfloat16 and float32 too."""
-    target = _graphed(dtype, seed=8)
-    config = GenerationConfig(max_new_tokens=40)
-    plain = SpeculativeDecoder(target, NoDrafter())
-    accepted = 0
-    for prompt in _prompts(5, seed=6):
-        prompt = prompt + plain.generate(prompt, config).token_ids[:10]
-        reference = plain.generate(prompt, config).token_ids
-        for method in ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off"):
-            result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
-            assert result.token_ids == reference, method
-            accepted += result.stats.accepted_drafts
+    accepted = accepted_drafts_of_methods_equal_to_plain(_graphed(dtype, seed=8), _prompts(5, seed=6),
+                                                         ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off"),
+                                                         GenerationConfig(max_new_tokens=40), extend=10)
     assert accepted > 0
 
 

@@ -14,16 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from hierspec.config import GenerationConfig
-from hierspec.decode import SpeculativeDecoder
-from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
-from hierspec.methods import make_drafter
 from hierspec.runtime import RuntimeConfig, cuda_attention
 from hierspec.runtime.attention import tree_attention
 from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.target import TargetModel
 from hierspec.tree import ancestor_matrix, build_tree
-from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
+from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
+                  make_model, make_tokenizer)
 
 VOCAB = 64
 
@@ -130,17 +128,11 @@ def test_the_row_plan_path_gives_chains_and_trees_plain_decodings_logits(planned
 
 def test_every_method_on_the_row_plan_path_equals_plain_decoding(planned_static):
     static, eager = planned_static
-    config = GenerationConfig(max_new_tokens=40)
-    plain = SpeculativeDecoder(eager, NoDrafter())
     rng = np.random.default_rng(1)
-    accepted = 0
+    prompts = []
     for _ in range(3):
         motif = rng.integers(1, VOCAB, size=5).tolist()
-        prompt = motif * 3 + rng.integers(1, VOCAB, size=3).tolist() + motif[:2]
-        prompt = prompt + plain.generate(prompt, config).token_ids[:12]  # the model's own words, for the drafters
-        reference = plain.generate(prompt, config).token_ids
-        for method in ("ar", "pld:budget=off", "hd"):
-            result = SpeculativeDecoder(static, make_drafter(method, static)).generate(prompt, config)
-            assert result.token_ids == reference, method
-            accepted += result.stats.accepted_drafts
+        prompts.append(motif * 3 + rng.integers(1, VOCAB, size=3).tolist() + motif[:2])
+    accepted = accepted_drafts_of_methods_equal_to_plain(static, prompts, ("ar", "pld:budget=off", "hd"),
+                                                         GenerationConfig(max_new_tokens=40), plain_target=eager)
     assert accepted > 0

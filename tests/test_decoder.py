@@ -10,12 +10,11 @@ from transformers import MistralConfig, MistralForCausalLM
 from hierspec.config import GenerationConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
-from hierspec.methods import make_drafter
 from hierspec.runtime import RuntimeConfig, onednn
 from hierspec.runtime.decoder import unsupported_reason
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
-from tiny import make_model, make_tokenizer
+from tiny import accepted_drafts_of_methods_equal_to_plain, make_model, make_tokenizer
 
 VOCAB = 64
 
@@ -85,18 +84,11 @@ def test_owned_forward_with_packed_products_matches_transformers_in_float32(arch
 
 def test_every_method_on_the_owned_forward_equals_plain_decoding():
     owned, _ = _pair(make_model("qwen2", VOCAB, seed=7, layers=3))
-    config = GenerationConfig(max_new_tokens=40)
-    plain = SpeculativeDecoder(owned, NoDrafter())
     rng = np.random.default_rng(2)
-    accepted = 0
-    for _ in range(3):
-        motif = rng.integers(1, VOCAB, size=5).tolist()
-        prompt = motif * 3 + motif[:2]
-        reference = plain.generate(prompt, config).token_ids
-        for method in ("pld:budget=off", "hd", "sd:draft=self:2,k=4,budget=off"):
-            result = SpeculativeDecoder(owned, make_drafter(method, owned)).generate(prompt, config)
-            assert result.token_ids == reference, method
-            accepted += result.stats.accepted_drafts
+    prompts = [motif * 3 + motif[:2] for motif in (rng.integers(1, VOCAB, size=5).tolist() for _ in range(3))]
+    accepted = accepted_drafts_of_methods_equal_to_plain(owned, prompts, ("pld:budget=off", "hd",
+                                                                          "sd:draft=self:2,k=4,budget=off"),
+                                                         GenerationConfig(max_new_tokens=40), extend=0)
     assert accepted > 0
 
 

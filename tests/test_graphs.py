@@ -13,7 +13,6 @@ import torch
 
 from hierspec.config import GenerationConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
-from hierspec.drafters import NoDrafter
 from hierspec.errors import InputError
 from hierspec.methods import make_drafter
 from hierspec.runtime import (GRAPH_BUCKETS, INVARIANT_GRAPH_BUCKETS, PACKED_BUCKETS, RuntimeConfig,
@@ -21,7 +20,7 @@ from hierspec.runtime import (GRAPH_BUCKETS, INVARIANT_GRAPH_BUCKETS, PACKED_BUC
 from hierspec.runtime.graphs import MIN_CAPACITY, StaticTreeCache
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree
-from tiny import make_model, make_tokenizer
+from tiny import accepted_drafts_of_methods_equal_to_plain, make_model, make_tokenizer
 
 VOCAB = 64
 # budget=off: the drafts are verified whatever they cost (cost-aware drafting may skip them on a tiny model)
@@ -49,17 +48,8 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 def test_every_method_on_the_static_path_equals_plain_decoding(arch):
     eager, static = _targets(arch)
     assert static.runtime.kind == "graphs" and static.runtime.buckets[0] == 1
-    config = GenerationConfig(max_new_tokens=40)
-    plain = SpeculativeDecoder(eager, NoDrafter())
-    accepted = 0
-    for prompt in _prompts(4, seed=1):
-        prompt = prompt + plain.generate(prompt, config).token_ids[:12]  # the model's own words, for the drafters
-        reference = plain.generate(prompt, config).token_ids
-        assert SpeculativeDecoder(static, NoDrafter()).generate(prompt, config).token_ids == reference
-        for method in METHODS:
-            result = SpeculativeDecoder(static, make_drafter(method, static)).generate(prompt, config)
-            assert result.token_ids == reference, method
-            accepted += result.stats.accepted_drafts
+    accepted = accepted_drafts_of_methods_equal_to_plain(static, _prompts(4, seed=1), ("ar", *METHODS),
+                                                         GenerationConfig(max_new_tokens=40), plain_target=eager)
     assert accepted > 0
 
 

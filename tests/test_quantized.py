@@ -22,7 +22,8 @@ from hierspec.runtime import quantized as q
 from hierspec.runtime.int4_kernel import pack_vnni
 from hierspec.target import TargetModel, runtime_config
 from hierspec.tree import build_tree
-from tiny import assert_chain_equals_steps, assert_tree_rows_equal_chains, make_model, make_tokenizer
+from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
+                  make_model, make_tokenizer)
 
 VOCAB = 64
 LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -251,7 +252,7 @@ def test_a_k_quant_file_runs_its_model_on_the_int4_path_and_every_method_equals_
     error = (expected - got).abs().mean() / expected.abs().mean()
     assert error < 0.1, error
     assert_tree_rows_equal_chains(target)
-    _accepted_drafts_of_methods_equal_to_plain(target, ([4, 8, 15, 16, 23, 42, 4, 8, 15],), ("pld:budget=off", "hd"),
+    accepted_drafts_of_methods_equal_to_plain(target, ([4, 8, 15, 16, 23, 42, 4, 8, 15],), ("pld:budget=off", "hd"),
                                                GenerationConfig(max_new_tokens=30, stop_at_eos=False))
 
 
@@ -493,24 +494,9 @@ def test_int4_exact_attention_gives_every_tree_row_its_chains_logits(tmp_path, k
     assert_tree_rows_equal_chains(_int4_target(*_tiny(tmp_path), kernel, attention="exact"))
 
 
-def _accepted_drafts_of_methods_equal_to_plain(target, prompts, methods, config) -> int:
-    """Assert every method's tokens equal plain decoding's on each prompt (extended by 12 of the model's own tokens,
-    for the drafters to find); return the draft tokens accepted in all."""
-    plain = SpeculativeDecoder(target, NoDrafter())
-    accepted = 0
-    for prompt in prompts:
-        prompt = prompt + plain.generate(prompt, config).token_ids[:12]
-        reference = plain.generate(prompt, config).token_ids
-        for method in methods:
-            result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
-            assert result.token_ids == reference, method
-            accepted += result.stats.accepted_drafts
-    return accepted
-
-
 def test_every_method_on_the_int4_path_equals_its_plain_decoding(tmp_path, prefill, kernel):
     methods = ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off", "hsddw:first=pld,middle=self:1,budget=off")
-    accepted = _accepted_drafts_of_methods_equal_to_plain(
+    accepted = accepted_drafts_of_methods_equal_to_plain(
         _int4_target(*_tiny(tmp_path), kernel), ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
         GenerationConfig(max_new_tokens=40, stop_at_eos=False))
     assert accepted > 0
@@ -668,7 +654,7 @@ def test_a_q5_0_file_runs_on_the_int4_path_as_8_bit_codes_and_every_method_equal
     assert reason is None and all(len(passes) == 2 for passes in weights.values())  # the 8-bit form, as Q8_0
     target = _int4_target(model, path, kernel)
     methods = ("pld:budget=off", "hd", "sd:draft=self:1,k=4,budget=off")
-    accepted = _accepted_drafts_of_methods_equal_to_plain(
+    accepted = accepted_drafts_of_methods_equal_to_plain(
         target, ([4, 8, 15, 16, 23, 42, 4, 8, 15], [5, 6, 7, 5, 6, 7, 5, 6]), methods,
         GenerationConfig(max_new_tokens=30, stop_at_eos=False))
     assert accepted > 0

@@ -7,6 +7,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from hierspec.decode import SpeculativeDecoder
+from hierspec.drafters import NoDrafter
+from hierspec.methods import make_drafter
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree, root_only
 
@@ -94,3 +97,20 @@ def assert_tree_rows_equal_chains(target: TargetModel, trees: int = 6, seed: int
             chain = build_tree(prompt[-1], [drafts]) if drafts else root_only(prompt[-1])
             assert torch.equal(target.forward_tree(cache, chain).logits[-1], logits[node]), f"node {node}"
     assert branched == trees
+
+
+def accepted_drafts_of_methods_equal_to_plain(target: TargetModel, prompts, methods, config,
+                                              plain_target: TargetModel | None = None, extend: int = 12) -> int:
+    """Assert every method's tokens on ``target`` equal plain decoding's (on ``plain_target``, by default the same
+    model) for each prompt, first extended by ``extend`` of the model's own tokens (for the drafters to find);
+    return the draft tokens accepted in all, so a test can check that the drafters drafted."""
+    plain = SpeculativeDecoder(plain_target or target, NoDrafter())
+    accepted = 0
+    for prompt in prompts:
+        prompt = list(prompt) + plain.generate(prompt, config).token_ids[:extend]
+        reference = plain.generate(prompt, config).token_ids
+        for method in methods:
+            result = SpeculativeDecoder(target, make_drafter(method, target)).generate(prompt, config)
+            assert result.token_ids == reference, method
+            accepted += result.stats.accepted_drafts
+    return accepted
