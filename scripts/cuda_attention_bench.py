@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
 import torch
 
 from hierspec.runtime import cuda_attention
 from hierspec.runtime.attention import tree_attention
-from hierspec.tree import ancestor_matrix, build_tree
+from hierspec.tree import build_tree, padded_ancestor_matrix
 
 SHAPES = {"smollm2-135m": (9, 3, 64), "qwen2.5-1.5b": (12, 2, 128)}
 #: split-key candidates: (logical keys a chunk, keys a block, warps)
@@ -55,7 +54,7 @@ def graph_time_us(call, repeats: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / (repeats * LAYERS)
 
 
-triton, tl = cuda_attention.triton, None
+triton = cuda_attention.triton
 if triton is not None:
     import triton.language as tl
 
@@ -64,7 +63,7 @@ if triton is not None:
                         plan_row, chunks, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
                         DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         """One (row, key/value head, chunk): the softmax partial (top, total, weighted values) of the row's logical
-        keys ``chunk * CHUNK ..`` (the last chunk cut at the row's key count)."""
+        keys ``chunk * CHUNK ..`` (the last chunk cut at the row's key count), by the runtime kernel's own walk."""
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         chunk = tl.program_id(2)
@@ -73,33 +72,11 @@ if triton is not None:
         keys = tl.load(plan + 1)
         begin = chunk * CHUNK
         if begin < keys:
+            top, total, acc = cuda_attention.softmax_over_keys(
+                q_ptr, k_ptr, v_ptr, plan, context, keys, begin, begin + CHUNK, scale, row, kv_head, q_head, q_row,
+                k_head, k_slot, v_head, v_slot, GROUPS, GROUP_PAD, DIM, DIM_PAD, BLOCK)
             group = tl.arange(0, GROUP_PAD)
             dims = tl.arange(0, DIM_PAD)
-            heads = kv_head * GROUPS + group
-            live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
-            query = tl.load(q_ptr + heads[:, None] * q_head + row * q_row + dims[None, :], mask=live,
-                            other=0.0).to(tl.float32)
-            top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-            total = tl.zeros([GROUP_PAD], tl.float32)
-            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-            for start in tl.range(0, CHUNK, BLOCK):
-                n = begin + start + tl.arange(0, BLOCK)
-                valid = n < keys
-                on_path = tl.load(plan + 2 + (n - context), mask=valid & (n >= context), other=0)
-                slot = tl.where(n < context, n, on_path)
-                entry = valid[:, None] & (dims[None, :] < DIM)
-                k = tl.load(k_ptr + kv_head * k_head + slot[:, None] * k_slot + dims[None, :], mask=entry,
-                            other=0.0).to(tl.float32)
-                scores = tl.sum(query[:, None, :] * k[None, :, :], axis=2) * scale
-                scores = tl.where(valid[None, :], scores, float("-inf"))
-                new_top = tl.maximum(top, tl.max(scores, axis=1))
-                rescale = tl.exp(top - new_top)
-                weights = tl.exp(scores - new_top[:, None])
-                total = total * rescale + tl.sum(weights, axis=1)
-                v = tl.load(v_ptr + kv_head * v_head + slot[:, None] * v_slot + dims[None, :], mask=entry,
-                            other=0.0).to(tl.float32)
-                acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
-                top = new_top
             width = DIM_PAD + 2
             base = part_ptr + ((row * tl.num_programs(1) + kv_head) * chunks + chunk) * GROUP_PAD * width
             tl.store(base + group[:, None] * width + dims[None, :], acc)
@@ -127,10 +104,7 @@ if triton is not None:
             total = total * mine + tl.load(base + group * width + DIM_PAD + 1) * theirs
             acc = acc * mine[:, None] + tl.load(base + group[:, None] * width + dims[None, :]) * theirs[:, None]
             top = new_top
-        heads = kv_head * GROUPS + group
-        live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
-        tl.store(o_ptr + row * o_row + heads[:, None] * o_head + dims[None, :],
-                 (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=live)
+        cuda_attention.store_rows(o_ptr, row, kv_head, o_row, o_head, acc, total, GROUPS, GROUP_PAD, DIM, DIM_PAD)
 
 
 def attend_split(query, key, value, plan, scale, split):
@@ -153,25 +127,6 @@ def attend_split(query, key, value, plan, scale, split):
     return out
 
 
-def split_keeps_rows_exact(query, key, value, plan, tree_size: int, scale: float, split) -> bool:
-    """Each tree row's output equals, bit for bit, the same query at the head of a 32-row forward whose keys hold
-    the row's logical keys at consecutive slots (where plain decoding keeps them)."""
-    out = attend_split(query, key, value, plan, scale, split)
-    for node in range(tree_size):
-        slots = cuda_attention.plan_slots(plan, node)
-        moved_key, moved_value = key.clone(), value.clone()
-        moved_key[:, :, : len(slots)], moved_value[:, :, : len(slots)] = key[:, :, slots], value[:, :, slots]
-        alone_plan = np.zeros((32, 34), dtype=np.int32)
-        cuda_attention.write_row_plan(np.eye(32, dtype=bool), len(slots) - 1, alone_plan)
-        alone_query = torch.zeros_like(query[:, :, :1]).repeat(1, 1, 32, 1)
-        alone_query[:, :, 0] = query[:, :, node]
-        alone = attend_split(alone_query, moved_key, moved_value, torch.from_numpy(alone_plan).to(plan.device), scale,
-                             split)
-        if not torch.equal(alone[0, 0], out[0, node]):
-            return False
-    return True
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -179,15 +134,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = 16
     tree = build_tree(7, [[1, 2, 3, 4], [1, 5], [6, 7, 8], [9]])
-    block_matrix = np.eye(rows, dtype=bool)
-    block_matrix[: tree.size, : tree.size] = ancestor_matrix(tree)
+    block_matrix = padded_ancestor_matrix(tree, rows)
     records = []
     for name, (heads, kv_heads, dim) in SHAPES.items():
         for past, width in ((300, 1024), (1900, 2048)):
             torch.manual_seed(0)
-            plan_host = np.zeros((rows, 2 + rows), dtype=np.int32)
-            cuda_attention.write_row_plan(block_matrix, past, plan_host)
-            plan = torch.from_numpy(plan_host).cuda()
+            plan = torch.from_numpy(cuda_attention.row_plan(block_matrix, past)).cuda()
             query = torch.randn(1, rows, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
             key, value = (torch.randn(1, kv_heads, width, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             scale = dim ** -0.5
@@ -207,7 +159,8 @@ def main() -> None:
             for split in SPLITS if args.split else ():
                 out = attend_split(query, key, value, plan, scale, split)
                 error = float((out.double() - expected).abs().max())
-                exact = split_keeps_rows_exact(query, key, value, plan, tree.size, scale, split)
+                exact = cuda_attention.first_row_whose_bits_move(
+                    lambda *args: attend_split(*args, split), query, key, value, plan, tree.size, scale) is None
                 us = graph_time_us(lambda: attend_split(query, key, value, plan, scale, split))
                 record["variants"]["split-c{}-b{}-w{}".format(*split)] = {"us": round(us, 2), "max_error": error,
                                                                           "rows_exact": exact}

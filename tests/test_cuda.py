@@ -18,7 +18,7 @@ from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
 from hierspec.runtime import cuda_attention
 from hierspec.target import TargetModel, load_model
-from hierspec.tree import ancestor_matrix, build_tree
+from hierspec.tree import build_tree, padded_ancestor_matrix
 from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
                   make_model, make_tokenizer, save_model_dir)
 
@@ -202,26 +202,12 @@ def test_the_exact_kernel_computes_attention_and_a_rows_bits_do_not_depend_on_wh
     torch.manual_seed(0)
     past, width = 300, 1024
     tree = build_tree(7, [[1, 2, 3, 4], [1, 5], [6, 7, 8], [9]])
-    block = np.eye(16, dtype=bool)
-    block[: tree.size, : tree.size] = ancestor_matrix(tree)
-    plan = np.zeros((16, 18), dtype=np.int32)
-    cuda_attention.write_row_plan(block, past, plan)
-    plan = torch.from_numpy(plan).cuda()
+    plan = torch.from_numpy(cuda_attention.row_plan(padded_ancestor_matrix(tree, 16), past)).cuda()
     query = torch.randn(1, 16, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
     key, value = (torch.randn(1, kv_heads, width, dim, device="cuda", dtype=dtype) for _ in range(2))
     out = cuda_attention.attend(query, key, value, plan, dim ** -0.5)
     expected = cuda_attention.attend_reference(query.double(), key.double(), value.double(), plan, dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16
                                                           else {"atol": 1e-5, "rtol": 1e-5}))
-    for node in range(tree.size):
-        slots = cuda_attention.plan_slots(plan, node)
-        moved_key, moved_value = key.clone(), value.clone()
-        moved_key[:, :, : len(slots)], moved_value[:, :, : len(slots)] = key[:, :, slots], value[:, :, slots]
-        alone = np.eye(32, dtype=bool)
-        alone_plan = np.zeros((32, 34), dtype=np.int32)
-        cuda_attention.write_row_plan(alone, len(slots) - 1, alone_plan)
-        alone_query = torch.zeros_like(query[:, :, :1]).repeat(1, 1, 32, 1)
-        alone_query[:, :, 0] = query[:, :, node]
-        alone_out = cuda_attention.attend(alone_query, moved_key, moved_value, torch.from_numpy(alone_plan).cuda(),
-                                          dim ** -0.5)
-        assert torch.equal(alone_out[0, 0], out[0, node]), f"node {node}"
+    assert cuda_attention.first_row_whose_bits_move(cuda_attention.attend, query, key, value, plan, tree.size,
+                                                    dim ** -0.5) is None

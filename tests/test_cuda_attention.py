@@ -19,7 +19,7 @@ from hierspec.runtime import RuntimeConfig, cuda_attention
 from hierspec.runtime.attention import tree_attention
 from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.target import TargetModel
-from hierspec.tree import ancestor_matrix, build_tree
+from hierspec.tree import build_tree, padded_ancestor_matrix
 from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
                   make_model, make_tokenizer)
 
@@ -34,20 +34,12 @@ def _random_tree(rng: np.random.Generator):
     return build_tree(int(rng.integers(1, 50)), sequences)
 
 
-def _plan(tree, past: int, rows: int) -> np.ndarray:
-    block = np.eye(rows, dtype=bool)
-    block[: tree.size, : tree.size] = ancestor_matrix(tree)
-    plan = np.zeros((rows, 2 + rows), dtype=np.int32)
-    cuda_attention.write_row_plan(block, past, plan)
-    return plan
-
-
 def test_row_plans_name_the_slots_the_cpu_exact_attention_reads():
     rng = np.random.default_rng(0)
     for _ in range(30):
         tree = _random_tree(rng)
         past, rows = int(rng.integers(0, 40)), tree.size + int(rng.integers(0, 6))
-        plan = torch.from_numpy(_plan(tree, past, rows))
+        plan = torch.from_numpy(cuda_attention.row_plan(padded_ancestor_matrix(tree, rows), past))
         expected = ExactPlan.of_tree(tree.parents, past, rows)
         for row in range(rows):
             slots = expected.indices[expected.indptr[row] : expected.indptr[row + 1]]
@@ -61,11 +53,10 @@ def test_a_row_plan_attends_what_the_boolean_tree_mask_attends():
     for _ in range(10):
         tree = _random_tree(rng)
         past, rows = int(rng.integers(1, 30)), tree.size + int(rng.integers(0, 4))
-        plan = _plan(tree, past, rows)
+        block = padded_ancestor_matrix(tree, rows)
+        plan = cuda_attention.row_plan(block, past)
         mask = torch.zeros((rows, width), dtype=torch.bool)
         mask[:, :past] = True
-        block = np.eye(rows, dtype=bool)
-        block[: tree.size, : tree.size] = ancestor_matrix(tree)
         mask[:, past : past + rows] = torch.from_numpy(block)
         query = torch.randn(1, heads, rows, dim, dtype=torch.float64)
         key, value = (torch.randn(1, kv_heads, width, dim, dtype=torch.float64) for _ in range(2))
@@ -84,7 +75,7 @@ def test_the_attention_function_hands_an_int32_plan_to_the_exact_kernel(monkeypa
 
     monkeypatch.setattr(cuda_attention, "attend", kernel)
     tree = build_tree(3, [[4, 5], [6]])
-    plan = torch.from_numpy(_plan(tree, 10, 4))[None, None]
+    plan = torch.from_numpy(cuda_attention.row_plan(padded_ancestor_matrix(tree, 4), 10))[None, None]
     query = torch.randn(1, 4, 4, 8, dtype=torch.float64)
     key, value = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(2))
     out, _ = tree_attention(None, query, key, value, plan, scaling=0.5)

@@ -30,9 +30,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "linears; no second copy of the weights)")
     group.add_argument("--attention", default="auto", choices=["auto", "sdpa", "exact"],
                        help="tree attention: exact (every tree row bit-identical to plain decoding, a compiled "
-                            "kernel; hierspec's own decoder on the CPU, or a Triton kernel on CUDA graphs), sdpa (PyTorch's; a node of a second branch "
-                            "may differ from plain decoding in the last bits) or auto (the default: exact wherever "
-                            "it can run)")
+                            "kernel; hierspec's own decoder on the CPU, or a Triton kernel on CUDA graphs), sdpa "
+                            "(PyTorch's; a node of a second branch may differ from plain decoding in the last bits) "
+                            "or auto (the default: exact wherever it can run)")
     group.add_argument("--int4-kernel", default="auto",
                        choices=["auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "

@@ -212,6 +212,14 @@ def ancestor_matrix(tree: DraftTree) -> np.ndarray:
     return anc
 
 
+def padded_ancestor_matrix(tree: DraftTree, rows: int) -> np.ndarray:
+    """Boolean ``[rows, rows]``: :func:`ancestor_matrix` in the top-left corner of a forward padded to ``rows``
+    rows, each padding row seeing itself only."""
+    block = np.eye(rows, dtype=bool)
+    block[: tree.size, : tree.size] = ancestor_matrix(tree)
+    return block
+
+
 def tree_attention_mask(tree: DraftTree, context_length: int) -> np.ndarray:
     """Boolean ``[n, context_length + n]`` mask, True where a node may attend.
 

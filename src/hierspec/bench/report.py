@@ -51,15 +51,15 @@ def write_report(path: Path, summary: dict) -> None:
     """A Markdown report: overall table, per-task speedup and MAT tables, divergences from ``ar``."""
     methods = summary["methods"]
     tasks = sorted({task for m in methods.values() for task in m["per_task"]})
+    runtime = summary.get("runtime") or {}
     lines = [
         f"# hierspec bench — {summary['model']}",
         "",
         f"{summary.get('date', '')}, {summary.get('processor', '')} ({summary.get('cpu_count')} CPUs, "
         f"{summary.get('torch_threads')} torch threads), {summary.get('device')}"
         f"{' (' + summary['gpu'] + ')' if summary.get('gpu') else ''}, {summary.get('dtype')}, "
-        f"runtime {(summary.get('runtime') or {}).get('kind', '?')} with "
-        f"{(summary.get('runtime') or {}).get('decoder', 'transformers')}'s decoder and "
-        f"{(summary.get('runtime') or {}).get('attention', 'sdpa')} attention, "
+        f"runtime {runtime.get('kind', '?')} with {runtime.get('decoder', 'transformers')}'s decoder and "
+        f"{runtime.get('attention', 'sdpa')} attention, "
         f"torch {summary.get('torch')}, transformers {summary.get('transformers')}; "
         f"{summary.get('num_questions')} questions from `{summary.get('questions_file')}`, "
         f"{summary['max_new_tokens']} new tokens, {_decoding(summary)}. Speedup = tokens/s over "

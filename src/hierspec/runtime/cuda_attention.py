@@ -64,6 +64,13 @@ def write_row_plan(block: np.ndarray, past: int, out: np.ndarray) -> None:
     out[:, 2 : 2 + rows] = past + np.argsort(~block, axis=1, kind="stable")
 
 
+def row_plan(block: np.ndarray, past: int) -> np.ndarray:
+    """A new row plan of a forward (:func:`write_row_plan` into a fresh array)."""
+    plan = np.zeros((block.shape[0], 2 + block.shape[0]), dtype=np.int32)
+    write_row_plan(block, past, plan)
+    return plan
+
+
 def plan_slots(plan: torch.Tensor, row: int) -> torch.Tensor:
     """The slots row ``row`` of a row plan attends, in its logical order."""
     context, keys = int(plan[row, 0]), int(plan[row, 1])
@@ -83,6 +90,24 @@ def attend_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
             weights = torch.softmax((keys @ query[0, head, row]) * scale, dim=0)
             out[0, row, head] = weights @ values
     return out
+
+
+def first_row_whose_bits_move(attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              plan: torch.Tensor, rows: int, scale: float) -> int | None:
+    """The first of the forward's first ``rows`` rows whose ``attention(query, key, value, plan, scale)`` output
+    changes in any bit when the same query heads a 32-row forward over keys that hold the row's logical keys at
+    consecutive slots (where plain decoding keeps them); ``None`` when no row's does (tests and the bench script)."""
+    out = attention(query, key, value, plan, scale)
+    for row in range(rows):
+        slots = plan_slots(plan, row)
+        moved_key, moved_value = key.clone(), value.clone()
+        moved_key[:, :, : len(slots)], moved_value[:, :, : len(slots)] = key[:, :, slots], value[:, :, slots]
+        alone_plan = torch.from_numpy(row_plan(np.eye(32, dtype=bool), len(slots) - 1)).to(plan.device)
+        alone_query = torch.zeros_like(query[:, :, :1]).repeat(1, 1, 32, 1)
+        alone_query[:, :, 0] = query[:, :, row]
+        if not torch.equal(attention(alone_query, moved_key, moved_value, alone_plan, scale)[0, 0], out[0, row]):
+            return row
+    return None
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float,
@@ -112,18 +137,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: to
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["q_head", "q_row", "k_head", "k_slot", "v_head", "v_slot", "plan_row", "o_row",
-                                   "o_head"])
-    def _attend_rows(q_ptr, k_ptr, v_ptr, plan_ptr, o_ptr, scale, q_head, q_row, k_head, k_slot, v_head, v_slot,
-                     plan_row, o_row, o_head, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-                     DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - runs on a GPU
-        """One (row, key/value head): the grouped query heads of that row over the row's logical keys, in blocks of
-        ``BLOCK`` keys, online softmax in float32."""
-        row = tl.program_id(0)
-        kv_head = tl.program_id(1)
-        plan = plan_ptr + row * plan_row
-        context = tl.load(plan)
-        keys = tl.load(plan + 1)
+    @triton.jit
+    def softmax_over_keys(q_ptr, k_ptr, v_ptr, plan, context, keys, first, stop, scale, row, kv_head, q_head, q_row,
+                          k_head, k_slot, v_head, v_slot, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                          DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - GPU
+        """``(top, total, acc)`` — the running maximum, sum of weights and weighted values in float32 — of the grouped
+        query heads of ``row`` over its logical keys ``first .. stop - 1`` (those below ``keys``), in blocks of
+        ``BLOCK`` keys from ``first``; ``plan`` points at the row's plan. Shared by the kernel below and the
+        split-key candidate of ``scripts/cuda_attention_bench.py``."""
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, DIM_PAD)
         heads = kv_head * GROUPS + group
@@ -133,7 +154,7 @@ if triton is not None:
         top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-        for start in tl.range(0, keys, BLOCK):
+        for start in tl.range(first, stop, BLOCK):
             n = start + tl.arange(0, BLOCK)
             valid = n < keys
             on_path = tl.load(plan + 2 + (n - context), mask=valid & (n >= context), other=0)
@@ -151,6 +172,32 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             top = new_top
-        result = acc / total[:, None]
+        return top, total, acc
+
+    @triton.jit
+    def store_rows(o_ptr, row, kv_head, o_row, o_head, acc, total, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
+                   DIM: tl.constexpr, DIM_PAD: tl.constexpr):  # pragma: no cover - runs on a GPU
+        """Write ``acc / total`` of ``row``'s grouped query heads (the padding heads and dimensions left out)."""
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        heads = kv_head * GROUPS + group
+        live = (group[:, None] < GROUPS) & (dims[None, :] < DIM)
         tl.store(o_ptr + row * o_row + heads[:, None] * o_head + dims[None, :],
-                 result.to(o_ptr.dtype.element_ty), mask=live)
+                 (acc / total[:, None]).to(o_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit(do_not_specialize=["q_head", "q_row", "k_head", "k_slot", "v_head", "v_slot", "plan_row", "o_row",
+                                   "o_head"])
+    def _attend_rows(q_ptr, k_ptr, v_ptr, plan_ptr, o_ptr, scale, q_head, q_row, k_head, k_slot, v_head, v_slot,
+                     plan_row, o_row, o_head, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                     DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - runs on a GPU
+        """One (row, key/value head): the grouped query heads of that row over all the row's logical keys, in
+        blocks of ``BLOCK`` keys, online softmax in float32."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        plan = plan_ptr + row * plan_row
+        context = tl.load(plan)
+        keys = tl.load(plan + 1)
+        top, total, acc = softmax_over_keys(q_ptr, k_ptr, v_ptr, plan, context, keys, 0, keys, scale, row, kv_head,
+                                            q_head, q_row, k_head, k_slot, v_head, v_slot, GROUPS, GROUP_PAD, DIM,
+                                            DIM_PAD, BLOCK)
+        store_rows(o_ptr, row, kv_head, o_row, o_head, acc, total, GROUPS, GROUP_PAD, DIM, DIM_PAD)

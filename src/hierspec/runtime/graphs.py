@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hierspec.runtime.cuda_attention import PLAN_DTYPE, write_row_plan
 from hierspec.runtime.kv_cache import cache_argument
-from hierspec.tree import DraftTree, ancestor_matrix
+from hierspec.tree import DraftTree, padded_ancestor_matrix
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,7 @@ class GraphedForward:
         staged[1, :] = past
         staged[1, :n] += tree.depths
         staged[2, :] = np.arange(past, past + rows)
-        block = np.eye(rows, dtype=bool)
-        block[:n, :n] = ancestor_matrix(tree)
+        block = padded_ancestor_matrix(tree, rows)
         if self.exact:
             write_row_plan(block, past, shape.mask_staging.numpy())
         else:

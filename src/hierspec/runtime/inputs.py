@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hierspec.runtime.exact_attention import ExactPlan
-from hierspec.tree import DraftTree, ancestor_matrix
+from hierspec.tree import DraftTree, padded_ancestor_matrix
 
 
 def bucket_for(size: int, buckets: Sequence[int]) -> int:
@@ -59,9 +59,7 @@ class TreeInputs:
         columns past ``past + rows`` hidden."""
         width = -(-(past + rows) // self.align) * self.align
         ids, positions = self._write_rows(tree, past, rows, width)
-        block = np.eye(rows, dtype=bool)
-        block[: tree.size, : tree.size] = ancestor_matrix(tree)
-        tiled = np.tile(block, (self.groups, 1))
+        tiled = np.tile(padded_ancestor_matrix(tree, rows), (self.groups, 1))
         host = self._host is not None
         mask = (self._host[2] if host else self._mask)[: self.groups * rows, :width]
         mask[:, :past] = True
