@@ -192,22 +192,26 @@ def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smoll
     assert_tree_rows_equal_chains(target, trees=8)
 
 
+ONE_PASS, CHUNKED = cuda_attention.KernelShape(64, 8), cuda_attention.KernelShape(32, 4, chunk=128)
+
+
+@pytest.mark.parametrize("shape", [None, ONE_PASS, CHUNKED], ids=["default", "one-pass", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (12, 2, 128), (4, 4, 32)])
 def test_the_exact_kernel_computes_attention_and_a_rows_bits_do_not_depend_on_where_it_sits(dtype, heads, kv_heads,
-                                                                                             dim):
-    """The Triton kernel against its row-by-row reference; and each node of a branching tree in a 16-row forward
-    gives the same bits as the same token at the head of a 32-row forward with its path copied to consecutive slots
-    (where plain decoding keeps it)."""
+                                                                                             dim, shape):
+    """The Triton kernels (the default shape, one program a row, chunks of logical keys) against their row-by-row
+    reference; and each node of a branching tree in a 16-row forward gives the same bits as the same token at the
+    head of a 32-row forward with its path copied to consecutive slots (where plain decoding keeps it)."""
     torch.manual_seed(0)
     past, width = 300, 1024
     tree = build_tree(7, [[1, 2, 3, 4], [1, 5], [6, 7, 8], [9]])
     plan = torch.from_numpy(cuda_attention.row_plan(padded_ancestor_matrix(tree, 16), past)).cuda()
     query = torch.randn(1, 16, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
     key, value = (torch.randn(1, kv_heads, width, dim, device="cuda", dtype=dtype) for _ in range(2))
-    out = cuda_attention.attend(query, key, value, plan, dim ** -0.5)
+    out = cuda_attention.attend(query, key, value, plan, dim ** -0.5, shape)
     expected = cuda_attention.attend_reference(query.double(), key.double(), value.double(), plan, dim ** -0.5)
     torch.testing.assert_close(out.double(), expected, **({"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16
                                                           else {"atol": 1e-5, "rtol": 1e-5}))
-    assert cuda_attention.first_row_whose_bits_move(cuda_attention.attend, query, key, value, plan, tree.size,
-                                                    dim ** -0.5) is None
+    kernel = lambda *inputs: cuda_attention.attend(*inputs, shape)  # noqa: E731
+    assert cuda_attention.first_row_whose_bits_move(kernel, query, key, value, plan, tree.size, dim ** -0.5) is None

@@ -8,7 +8,10 @@ dev questions while chains, `pld`, stayed identical; BENCHMARKS.md). Here one Tr
 head) walks the row's *logical* key sequence — the cached context, then the row's path from the root — in blocks of
 a fixed size, with an online softmax in float32; its arithmetic reads nothing of other rows and depends on that
 sequence alone, so a token gives the same bits alone, in a chain or at any depth of any tree, in a forward of any
-row count. The CPU's counterpart is :mod:`hierspec.runtime.exact_attention`.
+row count. At long contexts one program a row leaves most of the GPU idle, so by default the sequence is cut into
+chunks of a fixed number of *logical* keys, one program each, whose partial softmaxes a second kernel merges in
+chunk order (:class:`KernelShape`); the bounds still follow the row's own key sequence, so the bits stay the row's.
+The CPU's counterpart is :mod:`hierspec.runtime.exact_attention`.
 
 Each forward's rows are described by a *row plan*, int32 ``[rows, 2 + rows]``: ``(context, keys, path...)`` —
 row ``r`` attends slots ``0 .. context - 1`` and then ``path[0 .. keys - context - 1]``. The graphed runtime writes
@@ -18,6 +21,8 @@ kernel reads is a whole allocation or a slot-0 view of the cache, so one compile
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,11 +35,31 @@ except ImportError:  # pragma: no cover - depends on the PyTorch build
 
 #: the row plan's dtype: a 4-D attention mask of this dtype is a row plan, not a mask
 PLAN_DTYPE = torch.int32
-#: (keys a block, warps) by the padded query heads x head dimensions of a key/value head: the fastest of eight
-#: variants at SmolLM2's (3 x 64) and Qwen2.5-1.5B's (6 x 128) shapes on an H200 (scripts/cuda_attention_bench.py,
-#: BENCHMARKS.md); any fixed choice keeps rows exact, it only has to be the same for every forward of a model
-_SMALL_HEADS = (64, 8)
-_LARGE_HEADS = (16, 4)
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """How the kernel walks a row's keys: ``block`` keys a step, ``warps`` a program, ``stages`` of software
+    pipelining (``None``: Triton's default), and ``chunk`` — ``None`` for one program over all of a row's keys, or a
+    number of *logical* keys each program takes, the row's chunk partials then merged in chunk order by a second
+    kernel (more programs at long contexts). Any fixed shape keeps rows exact; it only has to be the same for every
+    forward of a model (plain decoding's included)."""
+
+    block: int
+    warps: int
+    stages: int | None = None
+    chunk: int | None = None
+
+
+#: the shapes by the padded query heads x head dimensions of a key/value head: SmolLM2's (3 x 64) and
+#: Qwen2.5-1.5B's (6 x 128) on an H200 (scripts/cuda_attention_bench.py, BENCHMARKS.md)
+_SMALL_HEADS = KernelShape(32, 4, chunk=128)
+_LARGE_HEADS = KernelShape(16, 4, chunk=128)
+
+
+def default_shape(groups: int, dim: int) -> KernelShape:
+    """The kernel shape for ``groups`` query heads a key/value head of ``dim`` dimensions."""
+    return _SMALL_HEADS if triton.next_power_of_2(groups) * triton.next_power_of_2(dim) <= 256 else _LARGE_HEADS
 
 
 #: model dtypes the kernel serves (it computes in float32: a float64 model keeps PyTorch's attention)
@@ -111,28 +136,33 @@ def first_row_whose_bits_move(attention, query: torch.Tensor, key: torch.Tensor,
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float,
-           variant: tuple[int, int, int] | None = None) -> torch.Tensor:
+           shape: KernelShape | None = None) -> torch.Tensor:
     """Attention of ``query [1, heads, rows, d]`` over ``key``/``value`` ``[1, kv_heads, slots, d]`` (views of a
     cache, last dimension contiguous) as ``plan`` (int32 ``[rows, 2 + P]``) says; returns ``[1, rows, heads, d]``
-    in the query's dtype, computed in float32. ``variant`` — ``(keys a block, warps, pipeline stages)`` — overrides
-    the kernel's shape (``scripts/cuda_attention_bench.py`` times them)."""
+    in the query's dtype, computed in float32. ``shape`` overrides :func:`default_shape` (the bench script times
+    several)."""
     _, heads, rows, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1 or plan.stride(1) != 1:
         raise ValueError("exact CUDA attention needs the head dimension contiguous")
+    shape = shape or default_shape(groups, dim)
     out = torch.empty((1, rows, heads, dim), dtype=query.dtype, device=query.device)
     group_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
-    block, warps = _SMALL_HEADS if group_pad * dim_pad <= 256 else _LARGE_HEADS
-    stages = None
-    if variant is not None:
-        block, warps, stages = variant
-    _attend_rows[(rows, kv_heads)](
-        query, key, value, plan, out, float(scale),
-        query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
-        plan.stride(0), out.stride(1), out.stride(2),
-        GROUPS=groups, GROUP_PAD=group_pad, DIM=dim, DIM_PAD=dim_pad, BLOCK=block, num_warps=warps,
-        **({} if stages is None else {"num_stages": stages}))
+    heads_and_dims = {"GROUPS": groups, "GROUP_PAD": group_pad, "DIM": dim, "DIM_PAD": dim_pad}
+    launch = {"num_warps": shape.warps, **({} if shape.stages is None else {"num_stages": shape.stages})}
+    strides = (query.stride(1), query.stride(2), key.stride(1), key.stride(2), value.stride(1), value.stride(2),
+               plan.stride(0))
+    if shape.chunk is None:
+        _attend_rows[(rows, kv_heads)](query, key, value, plan, out, float(scale), *strides, out.stride(1),
+                                       out.stride(2), BLOCK=shape.block, **heads_and_dims, **launch)
+        return out
+    chunks = -(-key.shape[2] // shape.chunk)  # by the cache's width, the same every forward (a graph's grid is fixed)
+    partials = torch.empty((rows, kv_heads, chunks, group_pad, dim_pad + 2), dtype=torch.float32, device=query.device)
+    _chunk_partials[(rows, kv_heads, chunks)](query, key, value, plan, partials, float(scale), *strides, chunks,
+                                              BLOCK=shape.block, CHUNK=shape.chunk, **heads_and_dims, **launch)
+    _merge_chunks[(rows, kv_heads)](plan, partials, out, plan.stride(0), chunks, out.stride(1), out.stride(2),
+                                    CHUNK=shape.chunk, **heads_and_dims, num_warps=4)
     return out
 
 
@@ -141,10 +171,10 @@ if triton is not None:
     def softmax_over_keys(q_ptr, k_ptr, v_ptr, plan, context, keys, first, stop, scale, row, kv_head, q_head, q_row,
                           k_head, k_slot, v_head, v_slot, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr,
                           DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - GPU
-        """``(top, total, acc)`` — the running maximum, sum of weights and weighted values in float32 — of the grouped
-        query heads of ``row`` over its logical keys ``first .. stop - 1`` (those below ``keys``), in blocks of
-        ``BLOCK`` keys from ``first``; ``plan`` points at the row's plan. Shared by the kernel below and the
-        split-key candidate of ``scripts/cuda_attention_bench.py``."""
+        """``(top, total, acc)`` — the running maximum, sum of weights and weighted values in float32 — of the
+        grouped query heads of ``row`` over its logical keys ``first .. stop - 1`` (those below ``keys``), in blocks of
+        ``BLOCK`` keys from ``first``; ``plan`` points at the row's plan. Shared by the one-pass and the
+        split-key kernels."""
         group = tl.arange(0, GROUP_PAD)
         dims = tl.arange(0, DIM_PAD)
         heads = kv_head * GROUPS + group
@@ -200,4 +230,55 @@ if triton is not None:
         top, total, acc = softmax_over_keys(q_ptr, k_ptr, v_ptr, plan, context, keys, 0, keys, scale, row, kv_head,
                                             q_head, q_row, k_head, k_slot, v_head, v_slot, GROUPS, GROUP_PAD, DIM,
                                             DIM_PAD, BLOCK)
+        store_rows(o_ptr, row, kv_head, o_row, o_head, acc, total, GROUPS, GROUP_PAD, DIM, DIM_PAD)
+
+    @triton.jit(do_not_specialize=["q_head", "q_row", "k_head", "k_slot", "v_head", "v_slot", "plan_row", "chunks"])
+    def _chunk_partials(q_ptr, k_ptr, v_ptr, plan_ptr, part_ptr, scale, q_head, q_row, k_head, k_slot, v_head, v_slot,
+                        plan_row, chunks, GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+                        DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):  # pragma: no cover - GPU
+        """One (row, key/value head, chunk): the softmax partial (top, total, weighted values) of the row's logical
+        keys ``chunk * CHUNK ..`` (the last chunk cut at the row's key count); chunks past the row's keys do
+        nothing. Chunk bounds follow the row's own key sequence, never slots, so a row's bits stay its own."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        chunk = tl.program_id(2)
+        plan = plan_ptr + row * plan_row
+        context = tl.load(plan)
+        keys = tl.load(plan + 1)
+        begin = chunk * CHUNK
+        if begin < keys:
+            stop = tl.minimum(begin + CHUNK, keys)
+            top, total, acc = softmax_over_keys(q_ptr, k_ptr, v_ptr, plan, context, keys, begin, stop, scale, row,
+                                                kv_head, q_head, q_row, k_head, k_slot, v_head, v_slot, GROUPS,
+                                                GROUP_PAD, DIM, DIM_PAD, BLOCK)
+            group = tl.arange(0, GROUP_PAD)
+            dims = tl.arange(0, DIM_PAD)
+            width = DIM_PAD + 2
+            base = part_ptr + ((row * tl.num_programs(1) + kv_head) * chunks + chunk) * GROUP_PAD * width
+            tl.store(base + group[:, None] * width + dims[None, :], acc)
+            tl.store(base + group * width + DIM_PAD, top)
+            tl.store(base + group * width + DIM_PAD + 1, total)
+
+    @triton.jit(do_not_specialize=["plan_row", "chunks", "o_row", "o_head"])
+    def _merge_chunks(plan_ptr, part_ptr, o_ptr, plan_row, chunks, o_row, o_head, GROUPS: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                      CHUNK: tl.constexpr):  # pragma: no cover - runs on a GPU
+        """One (row, key/value head): the row's chunk partials merged in chunk order, then stored."""
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        keys = tl.load(plan_ptr + row * plan_row + 1)
+        group = tl.arange(0, GROUP_PAD)
+        dims = tl.arange(0, DIM_PAD)
+        width = DIM_PAD + 2
+        top = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+        for chunk in tl.range(0, (keys + CHUNK - 1) // CHUNK):
+            base = part_ptr + ((row * tl.num_programs(1) + kv_head) * chunks + chunk) * GROUP_PAD * width
+            part_top = tl.load(base + group * width + DIM_PAD)
+            new_top = tl.maximum(top, part_top)
+            mine, theirs = tl.exp(top - new_top), tl.exp(part_top - new_top)
+            total = total * mine + tl.load(base + group * width + DIM_PAD + 1) * theirs
+            acc = acc * mine[:, None] + tl.load(base + group[:, None] * width + dims[None, :]) * theirs[:, None]
+            top = new_top
         store_rows(o_ptr, row, kv_head, o_row, o_head, acc, total, GROUPS, GROUP_PAD, DIM, DIM_PAD)
