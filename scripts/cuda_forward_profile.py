@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hierspec.config import ModelConfig
+from hierspec.runtime import RuntimeConfig
 from hierspec.target import TargetModel, load_model
 from hierspec.tree import build_tree
 
@@ -33,7 +34,7 @@ SHAPES = {
 }
 
 
-def random_target(shape: str) -> TargetModel:
+def random_target(shape: str, runtime: RuntimeConfig) -> TargetModel:
     """A bfloat16 model of ``shape`` with random weights on CUDA, with a word-level tokenizer."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -45,7 +46,7 @@ def random_target(shape: str) -> TargetModel:
     backend = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", eos_token="w0")
-    return TargetModel(model, tokenizer, shape)
+    return TargetModel(model, tokenizer, shape, runtime)
 
 
 def main() -> None:
@@ -53,10 +54,17 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--decoder", choices=["auto", "transformers"], default="auto",
+                        help="transformers: the stock modules, without hierspec's fused layers")
     parser.add_argument("--forwards", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    target = random_target(args.shape) if args.shape else load_model(args.model, ModelConfig(device="cuda"))
+    if args.shape:
+        target = random_target(args.shape, RuntimeConfig(decoder=args.decoder))
+    else:
+        if args.decoder != "auto":
+            parser.error("--decoder applies to --shape models")
+        target = load_model(args.model, ModelConfig(device="cuda"))
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 10000, size=128).tolist()
     cache = target.new_cache(capacity=1024)
@@ -76,6 +84,7 @@ def main() -> None:
     for _ in range(args.forwards):
         forward()
     target.synchronize()
+    print(f"decoder: {target.runtime.decoder_name}")
     print(f"wall {1000 * (time.perf_counter() - start) / args.forwards:.3f} ms a forward (not profiled)")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.forwards):

@@ -16,7 +16,7 @@ from hierspec.config import GenerationConfig, ModelConfig, SamplingConfig
 from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.methods import DrafterContext, make_drafter
-from hierspec.runtime import cuda_attention
+from hierspec.runtime import cuda_attention, cuda_fusion
 from hierspec.target import TargetModel, load_model
 from hierspec.tree import build_tree, padded_ancestor_matrix
 from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
@@ -184,7 +184,7 @@ def test_bfloat16_rows_in_a_tree_equal_the_same_rows_decoded_one_by_one_at_smoll
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     target = TargetModel(model, make_tokenizer(VOCAB), "smollm2-shaped")
-    assert target.runtime.buckets[0] == 16 and target.runtime.graph_exact
+    assert target.runtime.buckets[0] == 16 and target.runtime.graph_exact and target.runtime.fused_layers
     rng = np.random.default_rng(3)
     prompt, chain = rng.integers(2, 40000, size=300).tolist(), rng.integers(2, 40000, size=63).tolist()
     for length in (1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 47, 63):
@@ -215,3 +215,56 @@ def test_the_exact_kernel_computes_attention_and_a_rows_bits_do_not_depend_on_wh
                                                           else {"atol": 1e-5, "rtol": 1e-5}))
     kernel = lambda *inputs: cuda_attention.attend(*inputs, shape)  # noqa: E731
     assert cuda_attention.first_row_whose_bits_move(kernel, query, key, value, plan, tree.size, dim ** -0.5) is None
+
+
+def test_bfloat16_rows_on_fused_layers_equal_plain_decoding_at_qwen2_size():
+    """Qwen2.5-1.5B's layer shapes (q/k/v biases in the fused product, 128-wide heads, 6 query heads a key/value
+    head), two layers: chains of any length and branching trees give plain decoding's logits bit for bit."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=4096, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2,
+                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=8192,
+                         rope_theta=1000000.0, tie_word_embeddings=True, eos_token_id=0, use_sliding_window=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    target = TargetModel(model, make_tokenizer(VOCAB), "qwen2-shaped")
+    assert target.runtime.fused_layers and target.runtime.describe()["decoder"] == "transformers-fused"
+    rng = np.random.default_rng(4)
+    prompt, chain = rng.integers(2, 4000, size=200).tolist(), rng.integers(2, 4000, size=40).tolist()
+    for length in (1, 3, 15, 16, 17, 40):
+        assert_chain_equals_steps(target, prompt, chain[:length])
+    assert_tree_rows_equal_chains(target, trees=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden,heads,kv_heads,dim,inner", [(576, 9, 3, 64, 1536), (1536, 12, 2, 128, 8960)])
+def test_the_fused_kernels_compute_their_references_and_a_rows_bits_are_its_own(dtype, hidden, heads, kv_heads, dim,
+                                                                                  inner):
+    """The RMS norm, rotary and SiLU kernels against their PyTorch references (within a unit in the last place of
+    the dtype), and each row's output the same bits computed alone as among 40 rows."""
+    torch.manual_seed(0)
+    rows = 40
+    tolerance = {"atol": 2e-2, "rtol": 1e-2} if dtype == torch.bfloat16 else {"atol": 1e-5, "rtol": 1e-5}
+    x = torch.randn(1, rows, hidden, device="cuda", dtype=dtype)
+    weight = torch.randn(hidden, device="cuda", dtype=dtype)
+    qkv = torch.randn(1, rows, (heads + 2 * kv_heads) * dim, device="cuda", dtype=dtype)
+    q = qkv[..., : heads * dim].view(1, rows, heads, dim).transpose(1, 2)
+    k = qkv[..., heads * dim : (heads + kv_heads) * dim].view(1, rows, kv_heads, dim).transpose(1, 2)
+    cos, sin = (torch.randn(1, rows, dim, device="cuda", dtype=dtype) for _ in range(2))
+    gate_up = torch.randn(1, rows, 2 * inner, device="cuda", dtype=dtype)
+    ops, reference = cuda_fusion.TRITON_OPS, cuda_fusion.REFERENCE_OPS
+    norm = ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(norm, reference.rms_norm(x, weight, 1e-5), **tolerance)
+    rotated = ops.rotary(q, k, cos, sin)
+    for got, expected in zip(rotated, reference.rotary(q, k, cos, sin)):
+        torch.testing.assert_close(got, expected, **tolerance)
+    silu = ops.silu_mul(gate_up)
+    torch.testing.assert_close(silu, reference.silu_mul(gate_up), **tolerance)
+    for row in (0, 17, rows - 1):
+        one = slice(row, row + 1)
+        assert torch.equal(ops.rms_norm(x[:, one].contiguous(), weight, 1e-5)[0, 0], norm[0, row])
+        alone = ops.rotary(q[:, :, one], k[:, :, one], cos[:, one], sin[:, one])
+        assert torch.equal(alone[0][0, :, 0], rotated[0][0, :, row]) and torch.equal(alone[1][0, :, 0],
+                                                                                     rotated[1][0, :, row])
+        assert torch.equal(ops.silu_mul(gate_up[:, one].contiguous())[0, 0], silu[0, row])

@@ -116,7 +116,7 @@ def machine_identity(target: TargetModel) -> dict:
     return {"model": target.name, "tokenizer": target.tokenizer_fingerprint[:16], "device": device,
             "dtype": str(target.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
             "hardware": hardware, "runtime": target.runtime.kind,
-            "decoder": "hierspec" if target.runtime.decoder is not None else "transformers",
+            "decoder": target.runtime.decoder_name,
             "layers": target.runtime.layer_calls, "kv_cache": str(target.runtime.cache_dtype).replace("torch.", ""),
             **_int4_kernels(target), **_requantized(target), **_dense_kernel(target)}
 

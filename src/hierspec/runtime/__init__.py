@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from hierspec.errors import InputError
-from hierspec.runtime import attention, cuda_attention, onednn
+from hierspec.runtime import attention, cuda_attention, cuda_fusion, onednn
 from hierspec.runtime import prompt_kernel as prompt_choice
 from hierspec.runtime.decoder import LlamaFamilyDecoder, Segment, build_decoder
 from hierspec.runtime.dense_kernel import DENSE_KERNELS, resolve_dense_kernel
@@ -96,8 +96,9 @@ class RuntimeConfig:
             or ``"eager"`` (PyTorch's own linears and a growing cache: no second copy of the weights in memory).
         buckets: row counts a tree is padded to; ``None`` = :func:`default_buckets` (by kind, device and dtype).
         decoder: ``"auto"`` (on the CPU, hierspec's own forward for Llama-family models,
-            :mod:`hierspec.runtime.decoder`, with packed or PyTorch products by ``kind``) or ``"transformers"``
-            (transformers' modules always).
+            :mod:`hierspec.runtime.decoder`, with packed or PyTorch products by ``kind``; on CUDA graphs,
+            transformers' modules with fused forwards, :mod:`hierspec.runtime.cuda_fusion`) or ``"transformers"``
+            (transformers' modules as they are).
         gguf: the GGUF file the model was loaded from, whose quantized blocks the ``int4`` path multiplies;
             ``None``: the loaded (dequantized) weights only.
         gguf_cache: a directory where the decoded blocks are cached (the file's converted-weights directory).
@@ -201,6 +202,11 @@ class Runtime:
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))
+        #: transformers' layers with fused norms, rotary, projections and SiLU on CUDA graphs (:mod:`cuda_fusion`)
+        self.fused_layers = (use_graphs and self.config.decoder == "auto"
+                             and cuda_fusion.unavailable(model, self.device, self.dtype) is None)
+        if self.fused_layers:
+            cuda_fusion.install(model)
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
@@ -321,7 +327,7 @@ class Runtime:
         """What runs, for benchmark records."""
         return {"kind": self.kind, "buckets": list(self.buckets),
                 "packed_linears": len(self.packing) if self.packing is not None else 0,
-                "fused_groups": len(self.fused_groups), "decoder": "hierspec" if self.decoder else "transformers",
+                "fused_groups": len(self.fused_groups), "decoder": self.decoder_name,
                 "weights": (("gguf-int4" if self.config.gguf else "rounded-int4") if self.kind == "int4"
                             else str(self.dtype).removeprefix("torch.")),
                 "attention": "exact" if self.exact or self.graph_exact else "sdpa",
@@ -332,6 +338,12 @@ class Runtime:
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
+
+    @property
+    def decoder_name(self) -> str:
+        """Whose forward runs: ``"hierspec"`` (the owned decoder), ``"transformers-fused"`` (transformers' layers with
+        :mod:`~hierspec.runtime.cuda_fusion`'s forwards) or ``"transformers"``."""
+        return "hierspec" if self.decoder else "transformers-fused" if self.fused_layers else "transformers"
 
     @property
     def short_prompt_rows(self) -> int:
