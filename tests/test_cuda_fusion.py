@@ -118,3 +118,16 @@ def test_every_method_on_the_fused_graphed_path_equals_plain_decoding(fused_stat
     accepted = accepted_drafts_of_methods_equal_to_plain(static, prompts, ("ar", "pld:budget=off", "hd"),
                                                          GenerationConfig(max_new_tokens=40), plain_target=stock)
     assert accepted > 0
+
+
+def test_transformers_generate_runs_the_stock_modules(fused_static):
+    """``TargetModel.stock()`` (transformers' ``generate`` as a bench peer) takes the fused forwards off and puts
+    them back afterwards."""
+    static, stock = fused_static
+    norm = static.model.model.layers[0].input_layernorm
+    assert "forward" in vars(norm)
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with static.stock(), torch.no_grad():
+        assert "forward" not in vars(norm) and "forward" not in vars(static.model.model.layers[1].self_attn)
+        assert torch.equal(static.model(ids).logits, stock.model(ids).logits)
+    assert "forward" in vars(norm) and "forward" in vars(static.model.model.layers[1].mlp)

@@ -205,8 +205,7 @@ class Runtime:
         #: transformers' layers with fused norms, rotary, projections and SiLU on CUDA graphs (:mod:`cuda_fusion`)
         self.fused_layers = (use_graphs and self.config.decoder == "auto"
                              and cuda_fusion.unavailable(model, self.device, self.dtype) is None)
-        if self.fused_layers:
-            cuda_fusion.install(model)
+        self._fused = cuda_fusion.install(model) if self.fused_layers else None
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
@@ -575,6 +574,8 @@ class Runtime:
         """Run the block on the model exactly as transformers loaded it (its own linears and attention)."""
         if self.packing is not None:
             self.packing.stock()
+        if self._fused is not None:
+            self._fused.stock()
         self.model.set_attn_implementation(self._stock_attention)
         try:
             yield
@@ -582,6 +583,8 @@ class Runtime:
             self.model.set_attn_implementation(attention.NAME)
             if self.packing is not None:
                 self.packing.packed()
+            if self._fused is not None:
+                self._fused.fused()
 
 
 @dataclass(frozen=True)

@@ -98,20 +98,48 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 REFERENCE_OPS = FusedOps(reference_rms_norm, reference_rotary, reference_silu_mul)
 
 
-def install(model: nn.Module, ops: FusedOps | None = None) -> None:
+class FusedLayers:
+    """The fused forwards installed on a model's modules; :meth:`stock` takes them off again (transformers' own
+    ``generate`` as a benchmark peer runs the modules as transformers wrote them), :meth:`fused` puts them back."""
+
+    def __init__(self) -> None:
+        self._forwards: list[tuple[nn.Module, MethodType]] = []
+
+    def add(self, module: nn.Module, forward) -> None:
+        """Replace ``module``'s forward by ``forward`` (bound to it) on the instance."""
+        bound = MethodType(forward, module)
+        module.forward = bound
+        self._forwards.append((module, bound))
+
+    def stock(self) -> None:
+        """Every module back on its class's forward (the weights stay views of the concatenated tensors)."""
+        for module, _ in self._forwards:
+            vars(module).pop("forward", None)
+
+    def fused(self) -> None:
+        """The fused forwards on again."""
+        for module, bound in self._forwards:
+            module.forward = bound
+
+
+def install(model: nn.Module, ops: FusedOps | None = None) -> FusedLayers:
     """Replace the forwards of ``model``'s norms, attention and MLP modules by the fused ones (Triton kernels, or
-    ``ops``); the q/k/v and gate/up weights become views of one concatenated tensor each."""
-    if getattr(model, "_hierspec_fused_layers", False):
-        return
+    ``ops``); the q/k/v and gate/up weights become views of one concatenated tensor each. A model fused before is
+    left as it is (its :class:`FusedLayers` returned)."""
+    done = getattr(model, "_hierspec_fused_layers", None)
+    if done is not None:
+        return done
     ops = ops or TRITON_OPS
+    fused = FusedLayers()
     inner = model.model
     for layer in inner.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            _fuse_norm(norm, ops)
-        _fuse_attention(layer.self_attn, ops)
-        _fuse_mlp(layer.mlp, ops)
-    _fuse_norm(inner.norm, ops)
-    model._hierspec_fused_layers = True
+            _fuse_norm(fused, norm, ops)
+        _fuse_attention(fused, layer.self_attn, ops)
+        _fuse_mlp(fused, layer.mlp, ops)
+    _fuse_norm(fused, inner.norm, ops)
+    model._hierspec_fused_layers = fused
+    return fused
 
 
 def _concatenate(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -131,23 +159,23 @@ def _concatenate(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, bias
 
 
-def _fuse_norm(norm: nn.Module, ops: FusedOps) -> None:
+def _fuse_norm(fused: FusedLayers, norm: nn.Module, ops: FusedOps) -> None:
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
-    norm.forward = MethodType(forward, norm)
+    fused.add(norm, forward)
 
 
-def _fuse_mlp(mlp: nn.Module, ops: FusedOps) -> None:
+def _fuse_mlp(fused: FusedLayers, mlp: nn.Module, ops: FusedOps) -> None:
     weight, _ = _concatenate([mlp.gate_proj, mlp.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_mul(F.linear(x, weight)))
 
-    mlp.forward = MethodType(forward, mlp)
+    fused.add(mlp, forward)
 
 
-def _fuse_attention(attention: nn.Module, ops: FusedOps) -> None:
+def _fuse_attention(fused: FusedLayers, attention: nn.Module, ops: FusedOps) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     weight, bias = _concatenate([attention.q_proj, attention.k_proj, attention.v_proj])
@@ -170,7 +198,7 @@ def _fuse_attention(attention: nn.Module, ops: FusedOps) -> None:
                               **kwargs)
         return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
-    attention.forward = MethodType(forward, attention)
+    fused.add(attention, forward)
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
