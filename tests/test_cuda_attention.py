@@ -20,8 +20,8 @@ from hierspec.runtime.attention import tree_attention
 from hierspec.runtime.exact_attention import ExactPlan
 from hierspec.target import TargetModel
 from hierspec.tree import build_tree, padded_ancestor_matrix
-from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
-                  make_model, make_tokenizer)
+from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_graphed_rows_exact, make_model, make_tokenizer,
+                  motif_prompts)
 
 VOCAB = 64
 
@@ -110,20 +110,12 @@ def planned_static(monkeypatch):
 
 def test_the_row_plan_path_gives_chains_and_trees_plain_decodings_logits(planned_static):
     static, _ = planned_static
-    rng = np.random.default_rng(2)
-    prompt, chain = rng.integers(1, VOCAB, size=40).tolist(), rng.integers(1, VOCAB, size=9).tolist()
-    for length in (1, 4, 9):
-        assert_chain_equals_steps(static, prompt, chain[:length])
-    assert_tree_rows_equal_chains(static, trees=3)
+    assert_graphed_rows_exact(static)
 
 
 def test_every_method_on_the_row_plan_path_equals_plain_decoding(planned_static):
     static, eager = planned_static
-    rng = np.random.default_rng(1)
-    prompts = []
-    for _ in range(3):
-        motif = rng.integers(1, VOCAB, size=5).tolist()
-        prompts.append(motif * 3 + rng.integers(1, VOCAB, size=3).tolist() + motif[:2])
-    accepted = accepted_drafts_of_methods_equal_to_plain(static, prompts, ("ar", "pld:budget=off", "hd"),
+    methods = ("ar", "pld:budget=off", "hd")
+    accepted = accepted_drafts_of_methods_equal_to_plain(static, motif_prompts(VOCAB), methods,
                                                          GenerationConfig(max_new_tokens=40), plain_target=eager)
     assert accepted > 0

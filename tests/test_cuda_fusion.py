@@ -8,15 +8,14 @@ them gives plain decoding's tokens for every method in float64.
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
 from hierspec.config import GenerationConfig
 from hierspec.runtime import RuntimeConfig, cuda_fusion
 from hierspec.target import TargetModel
-from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_chain_equals_steps, assert_tree_rows_equal_chains,
-                  make_model, make_tokenizer)
+from tiny import (accepted_drafts_of_methods_equal_to_plain, assert_graphed_rows_exact, make_model, make_tokenizer,
+                  motif_prompts)
 
 VOCAB = 64
 
@@ -101,21 +100,13 @@ def fused_static(monkeypatch):
 
 def test_the_fused_graphed_path_gives_chains_and_trees_plain_decodings_logits(fused_static):
     static, _ = fused_static
-    rng = np.random.default_rng(2)
-    prompt, chain = rng.integers(1, VOCAB, size=40).tolist(), rng.integers(1, VOCAB, size=9).tolist()
-    for length in (1, 4, 9):
-        assert_chain_equals_steps(static, prompt, chain[:length])
-    assert_tree_rows_equal_chains(static, trees=3)
+    assert_graphed_rows_exact(static)
 
 
 def test_every_method_on_the_fused_graphed_path_equals_plain_decoding(fused_static):
     static, stock = fused_static
-    rng = np.random.default_rng(1)
-    prompts = []
-    for _ in range(3):
-        motif = rng.integers(1, VOCAB, size=5).tolist()
-        prompts.append(motif * 3 + rng.integers(1, VOCAB, size=3).tolist() + motif[:2])
-    accepted = accepted_drafts_of_methods_equal_to_plain(static, prompts, ("ar", "pld:budget=off", "hd"),
+    methods = ("ar", "pld:budget=off", "hd")
+    accepted = accepted_drafts_of_methods_equal_to_plain(static, motif_prompts(VOCAB), methods,
                                                          GenerationConfig(max_new_tokens=40), plain_target=stock)
     assert accepted > 0
 

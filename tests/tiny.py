@@ -99,6 +99,28 @@ def assert_tree_rows_equal_chains(target: TargetModel, trees: int = 6, seed: int
     assert branched == trees
 
 
+def assert_graphed_rows_exact(target: TargetModel, chain_lengths=(1, 4, 9), trees: int = 3, seed: int = 2) -> None:
+    """Chains of ``chain_lengths`` tokens over a 40-token prompt give plain decoding's logits, and every node of
+    ``trees`` branching trees its chain's (a static path's row invariance, on tiny models)."""
+    rng = np.random.default_rng(seed)
+    vocab = target.vocab_size
+    prompt, chain = rng.integers(1, vocab, size=40).tolist(), rng.integers(1, vocab, size=max(chain_lengths)).tolist()
+    for length in chain_lengths:
+        assert_chain_equals_steps(target, prompt, chain[:length])
+    assert_tree_rows_equal_chains(target, trees=trees)
+
+
+def motif_prompts(vocab_size: int, count: int = 3, seed: int = 1) -> list[list[int]]:
+    """Prompts that repeat a 5-token motif three times, then three random tokens and the motif's start: every
+    drafter finds something to draft."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for _ in range(count):
+        motif = rng.integers(1, vocab_size, size=5).tolist()
+        prompts.append(motif * 3 + rng.integers(1, vocab_size, size=3).tolist() + motif[:2])
+    return prompts
+
+
 def accepted_drafts_of_methods_equal_to_plain(target: TargetModel, prompts, methods, config,
                                               plain_target: TargetModel | None = None, extend: int = 12) -> int:
     """Assert every method's tokens on ``target`` equal plain decoding's (on ``plain_target``, by default the same
