@@ -51,6 +51,10 @@ def test_fused_forwards_compute_what_transformers_forward_computes(arch):
                                    model(rest, past_key_values=stock_cache).logits, rtol=1e-10, atol=1e-10)
     parameters = sum(p.numel() for p in fused.parameters())
     assert parameters == sum(p.numel() for p in model.parameters())
+    assert set(fused.state_dict()) == set(model.state_dict())  # the concatenated weights are not saved
+    with torch.no_grad():  # the concatenated weights move with the model
+        torch.testing.assert_close(fused.to(torch.float32)(ids).logits, model.to(torch.float32)(ids).logits,
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_the_references_round_once_in_float32():

@@ -124,8 +124,8 @@ class FusedLayers:
 
 def install(model: nn.Module, ops: FusedOps | None = None) -> FusedLayers:
     """Replace the forwards of ``model``'s norms, attention and MLP modules by the fused ones (Triton kernels, or
-    ``ops``); the q/k/v and gate/up weights become views of one concatenated tensor each. A model fused before is
-    left as it is (its :class:`FusedLayers` returned)."""
+    ``ops``); the q/k/v and gate/up weights become views of one concatenated tensor each (a non-persistent buffer of
+    the attention or MLP module). A model fused before is left as it is (its :class:`FusedLayers` returned)."""
     done = getattr(model, "_hierspec_fused_layers", None)
     if done is not None:
         return done
@@ -142,8 +142,9 @@ def install(model: nn.Module, ops: FusedOps | None = None) -> FusedLayers:
     return fused
 
 
-def _concatenate(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for ``linears`` side by side; each linear's own parameters become views of it."""
+def _concatenate(module: nn.Module, name: str, linears: list[nn.Linear]) -> None:
+    """``linears`` side by side as one weight (and bias) kept as ``module``'s non-persistent buffers ``name`` and
+    ``name + "_bias"`` (so ``module.to(...)`` moves them too); each linear's own parameters become views of them."""
     with torch.no_grad():
         weight = torch.cat([linear.weight for linear in linears])
         has_bias = any(linear.bias is not None for linear in linears)
@@ -156,7 +157,8 @@ def _concatenate(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor |
         if linear.bias is not None:
             linear.bias = nn.Parameter(bias[start:stop], requires_grad=False)
         start = stop
-    return weight, bias
+    module.register_buffer(name, weight, persistent=False)
+    module.register_buffer(name + "_bias", bias, persistent=False)
 
 
 def _fuse_norm(fused: FusedLayers, norm: nn.Module, ops: FusedOps) -> None:
@@ -167,10 +169,10 @@ def _fuse_norm(fused: FusedLayers, norm: nn.Module, ops: FusedOps) -> None:
 
 
 def _fuse_mlp(fused: FusedLayers, mlp: nn.Module, ops: FusedOps) -> None:
-    weight, _ = _concatenate([mlp.gate_proj, mlp.up_proj])
+    _concatenate(mlp, "hierspec_gate_up", [mlp.gate_proj, mlp.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(F.linear(x, weight)))
+        return self.down_proj(ops.silu_mul(F.linear(x, self.hierspec_gate_up)))
 
     fused.add(mlp, forward)
 
@@ -178,7 +180,7 @@ def _fuse_mlp(fused: FusedLayers, mlp: nn.Module, ops: FusedOps) -> None:
 def _fuse_attention(fused: FusedLayers, attention: nn.Module, ops: FusedOps) -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    weight, bias = _concatenate([attention.q_proj, attention.k_proj, attention.v_proj])
+    _concatenate(attention, "hierspec_qkv", [attention.q_proj, attention.k_proj, attention.v_proj])
     queries, keys = attention.q_proj.out_features, attention.k_proj.out_features
     extra = {"sliding_window": attention.sliding_window} if hasattr(attention, "sliding_window") else {}
     eager = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
@@ -186,7 +188,7 @@ def _fuse_attention(fused: FusedLayers, attention: nn.Module, ops: FusedOps) -> 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         cache = kwargs.pop("past_key_values", cache)
         shape = hidden_states.shape[:-1]
-        qkv = F.linear(hidden_states, weight, bias)
+        qkv = F.linear(hidden_states, self.hierspec_qkv, self.hierspec_qkv_bias)
         query = qkv[..., :queries].view(*shape, -1, self.head_dim).transpose(1, 2)
         key = qkv[..., queries : queries + keys].view(*shape, -1, self.head_dim).transpose(1, 2)
         value = qkv[..., queries + keys :].view(*shape, -1, self.head_dim).transpose(1, 2)
