@@ -92,6 +92,23 @@ def test_an_unknown_prompt_kernel_is_refused_by_the_parser_and_a_known_one_reach
     assert _model_config(build_parser().parse_args(["generate", "w1"])).prompt_kernel == "auto"
 
 
+def test_the_decoder_choice_reaches_the_runtime_and_an_unknown_one_is_refused(capsys):
+    from hierspec.cli import _model_config, build_parser
+    from hierspec.config import ModelConfig
+    from hierspec.errors import InputError
+    from hierspec.target import runtime_config
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "w1", "--decoder", "fast"])
+    assert exit_info.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+    config = _model_config(build_parser().parse_args(["generate", "w1", "--decoder", "transformers"]))
+    assert config.decoder == "transformers"
+    assert runtime_config(config, make_model("llama", vocab_size=64)).decoder == "transformers"
+    assert _model_config(build_parser().parse_args(["generate", "w1"])).decoder == "auto"
+    with pytest.raises(InputError, match="unknown decoder"):
+        ModelConfig(decoder="owned")
+
+
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     code, _, err = _run(capsys, "generate", "hi", "--model", str(tmp_path / "missing.gguf"))
     assert code == 2 and "GGUF file not found" in err

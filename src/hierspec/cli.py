@@ -33,6 +33,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                             "kernel; hierspec's own decoder on the CPU, or a Triton kernel on CUDA graphs), sdpa "
                             "(PyTorch's; a node of a second branch may differ from plain decoding in the last bits) "
                             "or auto (the default: exact wherever it can run)")
+    group.add_argument("--decoder", default="auto", choices=["auto", "transformers"],
+                       help="whose forward runs: auto (hierspec's own for Llama-family models on the CPU; on CUDA "
+                            "graphs transformers' modules with fused norms, rotary, projections and SiLU) or "
+                            "transformers (transformers' modules as they are: slower; for comparison)")
     group.add_argument("--int4-kernel", default="auto",
                        choices=["auto", "compiled", "torch", "amx", "bf16", "vnni", "vnni8"],
                        help="the int4 path's products: compiled (hierspec's own kernel, built once for this CPU; "
@@ -284,7 +288,7 @@ def _model_config(args: argparse.Namespace):
     return ModelConfig(spec=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
                        runtime=args.runtime, attention=args.attention,
                        int4_kernel=args.int4_kernel, kv_cache=args.kv_cache, prompt_kernel=args.prompt_kernel,
-                       dense_kernel=args.dense_kernel)
+                       dense_kernel=args.dense_kernel, decoder=args.decoder)
 
 
 def _load(args: argparse.Namespace):

@@ -170,6 +170,10 @@ class ModelConfig:
             (oneDNN's over a prepacked copy) or ``"dots"`` (hierspec's own over a copy packed in blocks of 16
             outputs: AVX512-BF16 dot products for bfloat16, e.g. AMD Zen 4; fused multiply-adds for float32; each
             row's result independent of the rows beside it). Prompts are read by oneDNN's products either way.
+        decoder: whose forward runs: ``"auto"`` (on the CPU, hierspec's own for Llama-family models; on CUDA graphs,
+            transformers' modules with fused norms, rotary, projections and SiLU) or ``"transformers"``
+            (transformers' modules as they are: slower, for comparison or a model the others mishandle). Every
+            method runs the same forward, so each stays lossless against plain decoding either way.
     """
 
     spec: str | None = None
@@ -185,8 +189,11 @@ class ModelConfig:
     requantize: str = "none"
     prompt_kernel: str = "auto"
     dense_kernel: str = "auto"
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decoder not in {"auto", "transformers"}:
+            raise InputError(f"unknown decoder {self.decoder!r}: use auto or transformers")
         if self.dense_kernel not in {"auto", "onednn", "dots"}:
             raise InputError(f"unknown dense kernel {self.dense_kernel!r}: use auto, onednn or dots")
         if self.prompt_kernel not in {"auto", "expanded", "vnni", "vnni8"}:

@@ -281,10 +281,10 @@ def runtime_config(config: ModelConfig, model) -> RuntimeConfig:
     if gguf is None:
         return RuntimeConfig(kind=config.runtime, attention=config.attention, int4_kernel=config.int4_kernel,
                              kv_cache=config.kv_cache, dense_kernel=config.dense_kernel, requantize=config.requantize,
-                             prompt_kernel=config.prompt_kernel)
+                             prompt_kernel=config.prompt_kernel, decoder=config.decoder)
     # transformers records the directory it loaded from: the file's converted weights, where the int4 cache goes
     # (a model built in memory records none: no cache, rather than one in the working directory)
     return RuntimeConfig(kind=config.runtime, gguf=str(gguf), gguf_cache=model.config._name_or_path or None,
                          attention=config.attention, int4_kernel=config.int4_kernel, kv_cache=config.kv_cache,
                          requantize=config.requantize, prompt_kernel=config.prompt_kernel,
-                         dense_kernel=config.dense_kernel)
+                         dense_kernel=config.dense_kernel, decoder=config.decoder)
