@@ -268,3 +268,10 @@ def test_the_fused_kernels_compute_their_references_and_a_rows_bits_are_its_own(
         assert torch.equal(alone[0][0, :, 0], rotated[0][0, :, row]) and torch.equal(alone[1][0, :, 0],
                                                                                      rotated[1][0, :, row])
         assert torch.equal(ops.silu_mul(gate_up[:, one].contiguous())[0, 0], silu[0, row])
+    # a batch of three sequences reading one shared table (batch stride 0) and each its own
+    batched = qkv.repeat(3, 1, 1)
+    bq = batched[..., : heads * dim].view(3, rows, heads, dim).transpose(1, 2)
+    bk = batched[..., heads * dim : (heads + kv_heads) * dim].view(3, rows, kv_heads, dim).transpose(1, 2)
+    for tables in ((cos, sin), (cos.repeat(3, 1, 1), sin.repeat(3, 1, 1))):
+        for got, one_sequence in zip(ops.rotary(bq, bk, *tables), rotated):
+            assert all(torch.equal(got[index], one_sequence[0]) for index in range(3))

@@ -221,6 +221,11 @@ def triton_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     transformers' are."""
     batch, heads, rows, dim = q.shape
     kv_heads = k.shape[1]
+    # one table for every sequence of a batch reads with a batch stride of 0; the kernel reads the last dimension
+    # of every input contiguously
+    cos, sin = (table.expand(batch, -1, -1) if table.stride(-1) == 1 else table.contiguous().expand(batch, -1, -1)
+                for table in (cos, sin))
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     q_out = torch.empty((batch, rows, heads, dim), dtype=q.dtype, device=q.device).transpose(1, 2)
     k_out = torch.empty((batch, rows, kv_heads, dim), dtype=k.dtype, device=k.device).transpose(1, 2)
     _rotary_rows[(batch * rows, heads + kv_heads)](
