@@ -7,13 +7,15 @@ decoder layer of a Llama-family model (:func:`hierspec.runtime.decoder.unsupport
 
 * each RMS norm (and the model's final one) is one Triton program a row, the whole row's sum of squares in one
   reduction of a fixed shape — so a row's bits never depend on the rows beside it;
-* the attention's query, key and value products are one product over their weights concatenated (the three
-  ``Linear`` weights become views of that one tensor: no second copy), and the rotary embedding of queries and keys
-  is one kernel, one program per (row, head), in float32 with one rounding;
+* the attention's query, key and value products are one product over their weights concatenated (a non-persistent
+  buffer of the module; the three ``Linear`` weights become views of it: no second copy), and the rotary embedding
+  of queries and keys is one kernel, one program per (row, head), in float32 with one rounding;
 * the MLP's gate and up products are one product, and SiLU(gate) x up one kernel.
 
-Each module's ``forward`` is replaced on the instance (other models in the process keep theirs); the attention
-forward mirrors transformers' Llama/Qwen2 attention (projections, rotary, ``cache.update``, the registered attention
+On an H200 a one-token forward of SmolLM2 went from 1,253 kernels and 3.1 ms to 436 and 1.6 ms (BENCHMARKS.md,
+"Sixty-ninth session"). Each module's ``forward`` is replaced on the instance (other models in the process keep
+theirs; :meth:`FusedLayers.stock` takes them off for transformers' own ``generate``); the attention forward mirrors
+transformers' Llama/Qwen2/Mistral attention (projections, rotary, ``cache.update``, the registered attention
 function, output projection), the one place here that follows transformers' internals: ``tests/test_cuda_fusion.py``
 checks it against the stock forward on each supported architecture, so a transformers change fails loudly there.
 Every method runs the same fused forward, plain decoding included, so outputs stay identical to ``ar``; the fused
