@@ -202,10 +202,9 @@ class Runtime:
         if packable and self.decoder is None:
             self.packing = LinearPacking(model)
             self.fused_groups = fuse_shared_inputs(model, torch.arange(4).unsqueeze(0))
-        #: transformers' layers with fused norms, rotary, projections and SiLU on CUDA graphs (:mod:`cuda_fusion`)
-        self.fused_layers = (use_graphs and self.config.decoder == "auto"
-                             and cuda_fusion.unavailable(model, self.device, self.dtype) is None)
-        self._fused = cuda_fusion.install(model) if self.fused_layers else None
+        fusable = (use_graphs and self.config.decoder == "auto"
+                   and cuda_fusion.unavailable(model, self.device, self.dtype) is None)
+        self._fused = cuda_fusion.install(model) if fusable else None
         model.set_attn_implementation(attention.register())
         packed = packable and (self.packing is not None or self.decoder is not None)
         self.kind = "graphs" if use_graphs else "int4" if quantized else "packed" if packed else "eager"
@@ -337,6 +336,11 @@ class Runtime:
                 "graphs_captured": self.graphed.captures if self.graphed is not None else 0,
                 "kv_cache": str(self.cache_dtype).removeprefix("torch."),
                 "layers": self.layer_calls}
+
+    @property
+    def fused_layers(self) -> bool:
+        """Whether transformers' layers run :mod:`~hierspec.runtime.cuda_fusion`'s fused forwards (CUDA graphs)."""
+        return self._fused is not None
 
     @property
     def decoder_name(self) -> str:

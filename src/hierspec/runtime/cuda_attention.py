@@ -62,19 +62,26 @@ def default_shape(groups: int, dim: int) -> KernelShape:
     return _SMALL_HEADS if triton.next_power_of_2(groups) * triton.next_power_of_2(dim) <= 256 else _LARGE_HEADS
 
 
-#: model dtypes the kernel serves (it computes in float32: a float64 model keeps PyTorch's attention)
+#: model dtypes the Triton kernels here and in :mod:`~hierspec.runtime.cuda_fusion` serve (they compute in float32:
+#: a float64 model keeps PyTorch's operations)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_unavailable(device: torch.device, dtype: torch.dtype, what: str) -> str | None:
+    """Why float32 Triton kernels (``what``, for the message) cannot serve a model in ``dtype`` on ``device``
+    (``None`` when they can)."""
+    if device.type != "cuda":
+        return f"{what}: needs a CUDA device"
+    if dtype not in DTYPES:
+        return f"{what}: computes in float32, not for a {str(dtype).removeprefix('torch.')} model"
+    if triton is None:
+        return f"{what}: needs Triton (installed with PyTorch's CUDA builds)"
+    return None
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why exact tree attention cannot run on ``device`` for a model in ``dtype`` (``None`` when it can)."""
-    if device.type != "cuda":
-        return "exact CUDA attention needs a CUDA device"
-    if dtype not in DTYPES:
-        return f"exact CUDA attention computes in float32, not for a {str(dtype).removeprefix('torch.')} model"
-    if triton is None:
-        return "exact CUDA attention needs Triton (installed with PyTorch's CUDA builds)"
-    return None
+    return triton_unavailable(device, dtype, "exact CUDA attention")
 
 
 def write_row_plan(block: np.ndarray, past: int, out: np.ndarray) -> None:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hierspec.runtime.cuda_attention import triton_unavailable
 from hierspec.runtime.decoder import unsupported_reason
 
 try:  # Triton ships with PyTorch's CUDA builds; CPU-only builds come without it
@@ -41,9 +42,6 @@ try:  # Triton ships with PyTorch's CUDA builds; CPU-only builds come without it
 except ImportError:  # pragma: no cover - depends on the PyTorch build
     triton = None
 
-NO_TRITON = "fused layers need Triton (installed with PyTorch's CUDA builds)"
-#: model dtypes the kernels serve (they compute in float32)
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -58,13 +56,7 @@ class FusedOps:
 
 def unavailable(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the fused layers cannot run ``model`` (``None`` when they can)."""
-    if device.type != "cuda":
-        return "fused layers need a CUDA device"
-    if dtype not in DTYPES:
-        return f"fused layers compute in float32, not for a {str(dtype).removeprefix('torch.')} model"
-    if triton is None:
-        return NO_TRITON
-    return unsupported_reason(model)
+    return triton_unavailable(device, dtype, "fused layers") or unsupported_reason(model)
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
