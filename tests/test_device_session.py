@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "device_session.py"
+from scripts_for_tests import load_script
 
 
 @pytest.fixture(scope="module")
 def session():
-    spec = importlib.util.spec_from_file_location("device_session", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("device_session")
 
 
 def test_parts_join_back_to_the_file(session, tmp_path):

