@@ -14,7 +14,8 @@ then with the device tool, the second call within 30 s of the first one's end:
 ``tests`` installs the wheels into the machine's home, keeps part 1 there and runs the CUDA tests; ``bench`` joins
 the model (its SHA-256 checked against ``prepare``'s), then runs the dev bench with the fused layers, again with
 ``--decoder transformers`` (the stock modules, for comparison) and with the fused layers once more, ``hierspec
-calibrate`` and the forward profiles, each report written under ``$OUT``. ``join`` and the stages use the standard
+calibrate`` and the forward profiles; each command's log, and each bench's ``report.md`` and ``summary.json``, come
+back under ``$OUT`` (the seventieth session's two calls: 106 s and 184 s). ``join`` and the stages use the standard
 library only, so they run before anything is installed.
 """
 
@@ -32,8 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEVRUN = ROOT / ".devrun"
 #: a call's carried files at most (the device tool's limit), less room for the checkout's own small files
 CARRY_LIMIT = 60 * 2**20
-#: the packages a lent machine lacked (sessions 68-69): taken at the versions installed here, for its Python
+#: the packages a lent machine lacked (sessions 68-69), for its Python: at the versions installed here, except where
+#: pinned — transformers 5.25 wants huggingface-hub >= 2.4, and the machine has 1.33 (seventieth session)
 DEVICE_PACKAGES = ("transformers", "gguf", "pydivsufsort")
+DEVICE_PINS = {"transformers": "5.24.0"}
 DEVICE_PYTHON = "3.12"
 DEVICE_PLATFORM = "manylinux_2_28_x86_64"
 #: where a warm machine keeps what the first call left for the second
@@ -92,7 +95,7 @@ def download_wheels(dest: Path) -> list[Path]:
     for package in DEVICE_PACKAGES:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
                         "--python-version", DEVICE_PYTHON, "--implementation", "cp", "--platform", DEVICE_PLATFORM,
-                        "-d", str(dest), f"{package}=={version(package)}"], check=True)
+                        "-d", str(dest), f"{package}=={DEVICE_PINS.get(package) or version(package)}"], check=True)
     return sorted(dest.glob("*.whl"))
 
 
@@ -154,8 +157,13 @@ def bench(devrun: Path, per_category: int, max_new_tokens: int, methods: str) ->
     common = ["bench", "--questions", "data/spec_bench_dev.jsonl", "--first-turn-only", "--per-category",
               str(per_category), "--max-new-tokens", str(max_new_tokens), "--model", str(model), "--device", "cuda",
               "--methods", methods]
-    codes = [_run(hierspec + common + extra + ["--out", str(out / name)], env, out / f"{name}.log")
-             for name, extra in (("fused", []), ("stock", ["--decoder", "transformers"]), ("fused-again", []))]
+    codes = []
+    for name, extra in (("fused", []), ("stock", ["--decoder", "transformers"]), ("fused-again", [])):
+        reports = DEVICE_HOME / "reports" / name  # a report's plots and answers are more files than a call brings back
+        codes.append(_run(hierspec + common + extra + ["--out", str(reports)], env, out / f"{name}.log"))
+        for kept in ("report.md", "summary.json"):
+            if (reports / kept).is_file():
+                shutil.copy(reports / kept, out / f"{name}-{kept}")
     codes.append(_run(hierspec + ["calibrate", "--model", str(model), "--device", "cuda", "--max-tokens", "64",
                                   "--out", str(out / "curve.json")], env, out / "calibrate.log"))
     for shape, tokens in (("smollm2-135m", 1), ("smollm2-135m", 16), ("qwen2.5-1.5b", 1)):
