@@ -11,7 +11,9 @@ then with the device tool, the second call within 30 s of the first one's end:
     run(command="python3 scripts/device_session.py tests", carry=[".devrun/wheels", ".devrun/part-1"])
     run(command="python3 scripts/device_session.py bench", carry=[".devrun/part-2"])
 
-``tests`` installs the wheels into the machine's home, keeps part 1 there and runs the CUDA tests; ``bench`` joins
+``stash`` installs the wheels into the machine's home and keeps part 1 there; ``tests`` does that, then runs the CUDA
+tests; ``run -- CMD …`` (a second call, carrying part 2) runs any command with ``{model}`` standing for the joined
+model, e.g. ``python3 scripts/step_overhead.py --model {model}``; ``bench`` joins
 the model (its SHA-256 checked against ``prepare``'s), then runs the dev bench with the fused layers, again with
 ``--decoder transformers`` (the stock modules, for comparison) and with the fused layers once more, ``hierspec
 calibrate`` and the forward profiles; each command's log, and each bench's ``report.md`` and ``summary.json``, come
@@ -137,22 +139,42 @@ def _environment() -> dict:
     return env
 
 
-def tests(devrun: Path, timeout: int) -> int:
+def stash(devrun: Path) -> None:
+    """The wheels installed into the machine's home, and part 1 of the model kept there for the next call."""
     DEVICE_HOME.mkdir(parents=True, exist_ok=True)
     shutil.copy(devrun / "part-1" / "model.part", DEVICE_HOME / "model.part-1")
     wheels = sorted(str(w) for w in (devrun / "wheels").glob("*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", str(DEVICE_HOME / "site"), *wheels], check=True)
-    out = Path(os.environ.get("OUT", DEVICE_HOME / "out"))
+
+
+def _out() -> Path:
+    return Path(os.environ.get("OUT", DEVICE_HOME / "out"))
+
+
+def tests(devrun: Path, timeout: int) -> int:
+    stash(devrun)
     return _run([sys.executable, "-m", "pytest", "-n", "8", "-p", "no:cacheprovider", "-q", *CUDA_TESTS],
-                _environment(), out / "cuda-tests.log", timeout)
+                _environment(), _out() / "cuda-tests.log", timeout)
+
+
+def joined_model(devrun: Path) -> Path:
+    """The model joined from part 1 (kept by an earlier call) and part 2 (carried by this one)."""
+    expected = (devrun / "part-2" / "model.sha256").read_text().strip()
+    return join_parts([DEVICE_HOME / "model.part-1", devrun / "part-2" / "model.part"], expected,
+                      DEVICE_HOME / "model.gguf")
+
+
+def run_command(devrun: Path, command: list[str], timeout: int) -> int:
+    """Any command (``{model}``, also inside an argument, standing for the joined model's path) with the installed
+    packages on the path."""
+    model = str(joined_model(devrun))
+    return _run([part.replace("{model}", model) for part in command], _environment(), _out() / "command.log", timeout)
 
 
 def bench(devrun: Path, per_category: int, max_new_tokens: int, methods: str) -> int:
-    expected = (devrun / "part-2" / "model.sha256").read_text().strip()
-    model = join_parts([DEVICE_HOME / "model.part-1", devrun / "part-2" / "model.part"], expected,
-                       DEVICE_HOME / "model.gguf")
-    env, out = _environment(), Path(os.environ.get("OUT", DEVICE_HOME / "out"))
+    model = joined_model(devrun)
+    env, out = _environment(), _out()
     hierspec = [sys.executable, "-c", "import sys; from hierspec.cli import main; sys.exit(main(sys.argv[1:]))"]
     common = ["bench", "--questions", "data/spec_bench_dev.jsonl", "--first-turn-only", "--per-category",
               str(per_category), "--max-new-tokens", str(max_new_tokens), "--model", str(model), "--device", "cuda",
@@ -174,18 +196,27 @@ def bench(devrun: Path, per_category: int, max_new_tokens: int, methods: str) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=["prepare", "tests", "bench"])
+    parser.add_argument("stage", choices=["prepare", "stash", "tests", "bench", "run"])
     parser.add_argument("--devrun", type=Path, default=DEVRUN, help="where prepare writes and the stages read")
     parser.add_argument("--timeout", type=int, default=300, help="tests: seconds for the CUDA tests")
     parser.add_argument("--per-category", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--methods", default="ar,pld,hd")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="run: the command, after --")
     args = parser.parse_args()
     if args.stage == "prepare":
         prepare(args.devrun)
         return 0
+    if args.stage == "stash":
+        stash(args.devrun)
+        return 0
     if args.stage == "tests":
         return tests(args.devrun, args.timeout)
+    if args.stage == "run":
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not command:
+            parser.error("run needs a command after --")
+        return run_command(args.devrun, command, args.timeout)
     return bench(args.devrun, args.per_category, args.max_new_tokens, args.methods)
 
 

@@ -1,7 +1,7 @@
 """How much of a decoding step is spent outside the target's forward pass.
 
 Usage:
-    python scripts/step_overhead.py [--methods ar,pld,hd] [--datastore DIR ...] [--threads 2]
+    python scripts/step_overhead.py [--methods ar,pld,hd] [--datastore DIR ...] [--threads 2] [--model M]
 
 Answers the first question of each category of the dev set (128 new tokens, greedy) with each method and times
 ``Runtime.forward_tree`` (the model's forward with its input buffers and bucket padding) inside the decoding loop.
@@ -46,6 +46,8 @@ class ForwardTimer:
         try:
             return self._forward(*args, **kwargs)
         finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # a CUDA forward returns before its kernels end
             self.seconds += time.perf_counter() - start
             self.calls += 1
 
@@ -60,10 +62,11 @@ def main() -> None:
     parser.add_argument("--questions", default="data/spec_bench_dev.jsonl")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="anything --model takes (default: the default model)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    model = hierspec.load_model()
+    model = hierspec.load_model(args.model)
     prompts = first_question_per_category(args.questions)
     timer = ForwardTimer(model.runtime)
     for method in split_methods(args.methods):
