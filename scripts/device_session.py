@@ -12,13 +12,13 @@ then with the device tool, the second call within 30 s of the first one's end:
     run(command="python3 scripts/device_session.py bench", carry=[".devrun/part-2"])
 
 ``stash`` installs the wheels into the machine's home and keeps part 1 there; ``tests`` does that, then runs the CUDA
-tests; ``run -- CMD …`` (a second call, carrying part 2) runs any command with ``{model}`` standing for the joined
-model, e.g. ``python3 scripts/step_overhead.py --model {model}``; ``bench`` joins
-the model (its SHA-256 checked against ``prepare``'s), then runs the dev bench with the fused layers, again with
-``--decoder transformers`` (the stock modules, for comparison) and with the fused layers once more, ``hierspec
-calibrate`` and the forward profiles; each command's log, and each bench's ``report.md`` and ``summary.json``, come
-back under ``$OUT`` (the seventieth session's two calls: 106 s and 184 s). ``join`` and the stages use the standard
-library only, so they run before anything is installed.
+tests. In the second call, carrying part 2, ``bench`` joins the model (its SHA-256 checked against ``prepare``'s) and
+runs the dev bench with the fused layers, again with ``--decoder transformers`` (the stock modules, for comparison)
+and with the fused layers once more, ``hierspec calibrate`` and the forward profiles; ``run -- CMD …`` instead runs
+any command with ``{model}`` standing for the joined model (``python3 scripts/step_overhead.py --model {model}``).
+Each command's log, and each bench's ``report.md`` and ``summary.json``, come back under ``$OUT`` (the seventieth
+session's ``tests`` and ``bench`` calls: 106 s and 184 s). The stages use the standard library only, so they run
+before anything is installed.
 """
 
 from __future__ import annotations
