@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from hierspec.calibration import forward_ms, prefilled_cache
 from hierspec.config import ModelConfig
 from hierspec.gc_pauses import freeze_long_lived
 from hierspec.loading import default_model_path, gguf_source
@@ -52,18 +53,10 @@ def bandwidth_gbs(buffer: torch.Tensor, readings: int = 7) -> float:
 
 
 def one_token_ms(model, cache, past: int, root: int, forwards: int) -> float:
-    """Median milliseconds of ``forwards`` one-token verification forwards over ``cache`` (``past`` entries),
-    each one's entry dropped afterwards."""
-    tree, times = build_tree(root, []), []
-    for _ in range(forwards):
-        model.synchronize()
-        start = time.perf_counter()
-        model.forward_tree(cache, tree)
-        model.synchronize()
-        times.append(1000 * (time.perf_counter() - start))
-        model.keep_path(cache, past, [0])
-        cache.crop(-1)
-    return statistics.median(times)
+    """Median milliseconds of ``forwards`` one-token verification forwards over ``cache`` (``past`` entries), timed as
+    ``hierspec calibrate`` times them (each one's entry dropped afterwards)."""
+    tree = build_tree(root, [])
+    return statistics.median(forward_ms(model, cache, past, tree) for _ in range(forwards))
 
 
 def main() -> None:
@@ -82,9 +75,7 @@ def main() -> None:
     floor_bytes = weight_bytes(source)
     model = load_model(config=config)
     ids = np.random.default_rng(0).integers(0, model.vocab_size, size=args.context).tolist()
-    cache = model.new_cache(capacity=args.context + 8)
-    model.prefill(cache, ids[:-1])
-    past = cache.get_seq_length()
+    cache, past = prefilled_cache(model, ids[:-1], args.context + 8)
     one_token_ms(model, cache, past, ids[-1], 20)  # warm-up
     freeze_long_lived()
     buffer = torch.ones(GIB_FLOATS)

@@ -167,14 +167,15 @@ def _curve_name(ident: dict) -> str:
             f"-{setting}.json")
 
 
-def _prefilled(target: TargetModel, ids: list[int], capacity: int) -> tuple[object, int]:
-    """A new cache of ``capacity`` entries holding ``ids`` read by ``target``, and its length."""
+def prefilled_cache(target: TargetModel, ids: list[int], capacity: int) -> tuple[object, int]:
+    """A new cache of ``capacity`` entries holding ``ids`` read by ``target``, and its length (what the cost curves
+    time forwards over; ``scripts/weight_floor.py`` too)."""
     cache = target.new_cache(capacity=capacity)
     target.prefill(cache, ids)
     return cache, cache.get_seq_length()
 
 
-def _forward_ms(target: TargetModel, cache, past: int, tree) -> float:
+def forward_ms(target: TargetModel, cache, past: int, tree) -> float:
     """Milliseconds of one verification forward of ``tree`` over ``cache`` (``past`` entries), whose entries are then
     dropped again."""
     target.synchronize()
@@ -215,18 +216,18 @@ def measure_cost_curve(target: TargetModel, sizes: tuple[int, ...] = DEFAULT_SIZ
     one = build_tree(root, [])
     trees = [build_tree(root, [rng.integers(0, target.vocab_size, size=size - 1).tolist()] if size > 1 else [])
              for size in sizes]
-    caches = [_prefilled(target, ids[: length - 1], length + max(sizes) + 1) for length in contexts]
+    caches = [prefilled_cache(target, ids[: length - 1], length + max(sizes) + 1) for length in contexts]
 
     ones: list[float] = []
     ratios = [[[] for _ in sizes] for _ in contexts]
     for repeat in tqdm(range(repeats + 1), desc=desc, unit="round"):
         for index, tree in enumerate(trees):
             if repeat % 2 == 0:  # the pair goes first in alternate rounds
-                pair = _forward_ms(target, *caches[0], one)
-                spent = [_forward_ms(target, cache, past, tree) for cache, past in caches]
+                pair = forward_ms(target, *caches[0], one)
+                spent = [forward_ms(target, cache, past, tree) for cache, past in caches]
             else:
-                spent = [_forward_ms(target, cache, past, tree) for cache, past in caches]
-                pair = _forward_ms(target, *caches[0], one)
+                spent = [forward_ms(target, cache, past, tree) for cache, past in caches]
+                pair = forward_ms(target, *caches[0], one)
             if repeat:  # the first round warms up
                 ones.append(pair)
                 for ratio, ms in zip(ratios, spent):
@@ -281,14 +282,14 @@ def paired_cost_ratio(model: TargetModel, reference: TargetModel, pairs: int = R
     context = max(2, min(context, model.max_context - 2, reference.max_context - 2))
     ids = np.random.default_rng(seed).integers(0, min(model.vocab_size, reference.vocab_size), size=context).tolist()
     one = build_tree(ids[-1], [])
-    states = [(m, *_prefilled(m, ids[:-1], context + 2), one) for m in (model, reference)]
+    states = [(m, *prefilled_cache(m, ids[:-1], context + 2), one) for m in (model, reference)]
 
     ratios = []
     for index in range(pairs + 1):
         if index % 2:
-            own, other = _forward_ms(*states[0]), _forward_ms(*states[1])
+            own, other = forward_ms(*states[0]), forward_ms(*states[1])
         else:
-            other, own = _forward_ms(*states[1]), _forward_ms(*states[0])
+            other, own = forward_ms(*states[1]), forward_ms(*states[0])
         if index:  # the first pair warms up
             ratios.append(own / other)
     return statistics.median(ratios)

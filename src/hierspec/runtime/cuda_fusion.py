@@ -43,7 +43,6 @@ except ImportError:  # pragma: no cover - depends on the PyTorch build
     triton = None
 
 
-
 @dataclass(frozen=True)
 class FusedOps:
     """The three fused operations: ``rms_norm(x, weight, eps)``, ``rotary(q, k, cos, sin) -> (q, k)`` and
@@ -59,11 +58,16 @@ def unavailable(model: nn.Module, device: torch.device, dtype: torch.dtype) -> s
     return triton_unavailable(device, dtype, "fused layers") or unsupported_reason(model)
 
 
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a reference computes in: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """What the norm kernel computes, with PyTorch's operations: the row normalised in float32 (as transformers
     does, whatever the dtype) and rounded to the input's dtype, times the weight in float32 (float64 for a float64
     input), rounded once."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = _wide(x.dtype)
     row = x.to(torch.float32)
     normed = (row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return (weight.to(wide) * normed.to(wide)).to(x.dtype)
@@ -73,7 +77,7 @@ def reference_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
     """What the rotary kernel computes: ``x * cos + rotate_half(x) * sin`` with one rounding."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        wide = _wide(x.dtype)
         half = x.shape[-1] // 2
         turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1).to(wide)
         return (x.to(wide) * cos.unsqueeze(1).to(wide) + turned * sin.unsqueeze(1).to(wide)).to(x.dtype)
@@ -83,7 +87,7 @@ def reference_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: t
 
 def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """What the SiLU kernel computes: ``silu(gate) * up`` with one rounding."""
-    wide = torch.float64 if gate_up.dtype == torch.float64 else torch.float32
+    wide = _wide(gate_up.dtype)
     gate, up = gate_up.to(wide).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)
 
