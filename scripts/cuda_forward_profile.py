@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hierspec.calibration import prefilled_cache
 from hierspec.config import ModelConfig
 from hierspec.runtime import RuntimeConfig
 from hierspec.target import TargetModel, load_model
@@ -67,9 +68,7 @@ def main() -> None:
         target = load_model(args.model, ModelConfig(device="cuda"))
     rng = np.random.default_rng(0)
     ids = rng.integers(100, 10000, size=128).tolist()
-    cache = target.new_cache(capacity=1024)
-    target.prefill(cache, ids)
-    past = cache.get_seq_length()
+    cache, past = prefilled_cache(target, ids, 1024)
     tree = build_tree(ids[-1], [rng.integers(100, 10000, size=args.tokens - 1).tolist()] if args.tokens > 1 else [])
 
     def forward() -> None:
