@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hierspec.runtime import int4_kernel
-from hierspec.runtime.decoder import Int4Layers
+from hierspec.runtime.decoder import LlamaFamilyDecoder
 from hierspec.runtime.exact_attention import ExactPlan, exact_attention
 from hierspec.tree import build_tree
 from test_exact_attention import _ancestry, random_sequence_mask
@@ -194,13 +194,15 @@ def test_the_int4_decoder_runs_its_layers_as_one_compiled_call_close_to_the_pyth
         pytest.skip("the compiled layer halves are not used here")
     assert decoder._fused.attends
     calls = []
-    original = Int4Layers.exact_layers
+    original = LlamaFamilyDecoder.tree_step
 
     def counted(self, *args, **kwargs):
-        calls.append(args)
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if out is not None:  # the whole forward as ExactLayerStack.step: one compiled call
+            calls.append(args)
+        return out
 
-    monkeypatch.setattr(Int4Layers, "exact_layers", counted)
+    monkeypatch.setattr(LlamaFamilyDecoder, "tree_step", counted)
     prompt, chain = [3, 14, 15, 9, 26, 5, 35], [8, 9, 7, 9, 3]
 
     tree = build_tree(chain[0], [chain[1:], [4, 4], [9, 1, 2]])
@@ -261,6 +263,78 @@ def test_the_layer_stack_equals_one_compiled_call_per_layer(module, tmp_path):
     shorter = keys[:-1] + [keys[-1][:, :32].contiguous()]
     with pytest.raises(RuntimeError, match="alike in shape"):
         stack.forward(hidden, cos, sin, shorter, values, write_blocks, write_slots, indptr, indices, blocks)
+
+
+def _forward_entries(runtime, tree, rows: int, prompt: list[int], stepped: bool):
+    """A tree's forward over a fresh cache holding ``prompt`` — as one ``tree_step`` call or through the decoder's
+    Python path — its (logits, hidden), its cache length and every layer's entries."""
+    cache = runtime.new_cache()
+    runtime.prefill(cache, prompt)
+    past = cache.get_seq_length()
+    decoder = runtime.decoder
+    if stepped:
+        out = decoder.tree_step(cache, tree, rows, want_hidden=True)
+        assert out is not None
+    else:
+        ids, positions, _, plan = runtime._tree_inputs(runtime.inputs, tree, past, rows)
+        out = decoder.forward(ids, positions, None, cache, slice(0, tree.size), True, True, plan=plan)
+    entries = [t[0, :, : past + rows].clone() for layer in cache.layers for t in (layer._keys, layer._values)]
+    return out, cache.get_seq_length(), entries
+
+
+@pytest.mark.parametrize("model", ["llama", "k-quant"])
+def test_a_tree_step_in_one_call_equals_the_decoders_forward_bit_for_bit(module, tmp_path, model):
+    """``tree_step`` (the rows' tokens, positions, plan, embedding and rotation rows, every layer, the final norm and
+    the head as one ``ExactLayerStack.step``) gives the decoder's own logits, hidden states and cache entries, bit for
+    bit: a root alone, a chain, a branching tree, each in its own row count and in a padded bucket."""
+    files = _tiny(tmp_path) if model == "llama" else _tiny_k_quant(tmp_path)
+    runtime = _int4_target(*files, "vnni8", attention="exact").runtime
+    if runtime.decoder._step_head is None:
+        pytest.skip("the compiled layers do not attend here")
+    prompt = [3, 14, 15, 9, 26, 5, 35, 8, 9]
+    for tree in (build_tree(7, []), build_tree(7, [[9, 3, 2, 3]]), build_tree(7, [[9, 7], [4, 4], [9, 1, 2]])):
+        for rows in (tree.size, tree.size + 3):
+            (got, got_length, got_entries), (want, want_length, want_entries) = (
+                _forward_entries(runtime, tree, rows, prompt, stepped) for stepped in (True, False))
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (tree.tokens, rows)
+            assert got_length == want_length == len(prompt) + rows
+            assert all(torch.equal(a, b) for a, b in zip(got_entries, want_entries))
+    assert got[0].shape == (tree.size, runtime.decoder.lm_head.widths[0])
+
+
+def test_a_tree_step_declines_where_it_does_not_apply_and_refuses_bad_trees(module, tmp_path):
+    """Without the compiled layers' attention (or with another head) ``tree_step`` answers ``None`` and leaves the
+    cache as it was (the forward then takes the decoder's Python path); a tree whose parents do not precede their
+    children, a token outside the vocabulary or a position past the rotation table is refused with a clear error."""
+    runtime = _int4_target(*_tiny(tmp_path), "vnni8", attention="exact").runtime
+    decoder = runtime.decoder
+    if decoder._step_head is None:
+        pytest.skip("the compiled layers do not attend here")
+    cache = runtime.new_cache()
+    runtime.prefill(cache, [3, 14, 15])
+    stack = decoder._fused.layer_stack()
+    keys, values = zip(*(layer.buffers() for layer in cache.layers))
+    head, bias = decoder._step_head
+
+    def step(tokens, parents, depths, past=2, rows=None, tables=(decoder._cos, decoder._sin)):
+        arrays = (torch.tensor(a, dtype=torch.long) for a in (tokens, parents, depths))
+        return stack.step(decoder.embedding, *arrays, past, rows or len(tokens), *tables, keys, values,
+                          decoder.final_norm, head, bias)
+
+    with pytest.raises(RuntimeError, match="parents must precede children"):
+        step([7, 8], [-1, 1], [0, 1])
+    with pytest.raises(RuntimeError, match="root's parent"):
+        step([7, 8], [0, 0], [0, 1])
+    with pytest.raises(RuntimeError, match="outside the embedding table"):
+        step([7, decoder.embedding.shape[0]], [-1, 0], [0, 1])
+    with pytest.raises(RuntimeError, match="beyond the rotation tables"):
+        step([7], [-1], [0], past=decoder._cos.shape[0])
+    with pytest.raises(RuntimeError, match="rows >= n"):
+        step([7, 8], [-1, 0], [0, 1], rows=1)
+    length = cache.get_seq_length()
+    decoder._fused.attends = False
+    assert decoder.tree_step(cache, build_tree(7, [[8]]), 2, want_hidden=False) is None
+    assert cache.get_seq_length() == length
 
 
 def test_the_compiled_layers_give_every_tree_row_its_chains_logits(module, tmp_path):

@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<double, double, int64_t, int64_t, int64_t, bool>())
       .def("add", &ExactLayerStack::add, "append the next layer's weights")
       .def("forward", &ExactLayerStack::forward, "every layer with exact attention, in one call")
+      .def("step", &ExactLayerStack::step, "one tree's verification forward: inputs, every layer, norm and head")
       .def("runs_as_team", &ExactLayerStack::runs_as_team, "whether a forward of this many rows runs with a helper")
       .def("__len__", &ExactLayerStack::size);
   m.def("head_guess", &head_guess, "a draft head's k best shortlist entries and their probabilities, per row");

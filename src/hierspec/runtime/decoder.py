@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -378,16 +379,52 @@ class LlamaFamilyDecoder:
                 return None
             buffers = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in zip(writes.pool.keys, writes.pool.values)]
             return CompiledExact(buffers, writes.slot_index * self.kv_heads, writes.position_index, plan)
-        cache = segments[0].cache
-        if len(segments) != 1 or not hasattr(cache, "reserve"):
+        if len(segments) != 1 or not self._compiled_cache(segments[0].cache):
             return None
-        first = cache.layers[0]  # a cache's layers are allocated together, with one dtype and batch
-        if first.is_initialized and (first.dtype not in COMPILED_CACHE_DTYPES or first.keys.shape[0] != 1):
-            return None
-        like = self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim))
-        start, buffers = cache.reserve(rows, like)
+        start, buffers = self._reserve(segments[0].cache, rows)
         return CompiledExact(buffers, torch.zeros(rows, dtype=torch.long), torch.arange(start, start + rows),
                              plans[0])
+
+    @staticmethod
+    def _compiled_cache(cache) -> bool:
+        """Whether the compiled layers write and attend ``cache`` directly: one sequence's buffers of a dtype they
+        read (or not allocated yet)."""
+        if not hasattr(cache, "reserve"):
+            return False
+        first = cache.layers[0]  # a cache's layers are allocated together, with one dtype and batch
+        return not first.is_initialized or (first.dtype in COMPILED_CACHE_DTYPES and first.keys.shape[0] == 1)
+
+    def _reserve(self, cache, rows: int) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Room for ``rows`` entries after the cache's: their first slot and every layer's buffers."""
+        return cache.reserve(rows, self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim)))
+
+    def tree_step(self, cache, tree, rows: int, want_hidden: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """:meth:`forward` of ``tree`` (its nodes, padded to ``rows``) with exact attention and the whole head, as
+        one compiled call (``ExactLayerStack.step``: the rows' inputs, plan, every layer, the final norm and the
+        head), the same arithmetic as the Python path: ``(logits [n, vocab], hidden [n, h] | None)``. ``None``
+        where that call does not apply (no compiled layers, a head other than an int4 one, a cache they do not
+        read), before anything is changed."""
+        if self._step_head is None or not self._compiled_cache(cache):
+            return None
+        start, buffers = self._reserve(cache, rows)
+        if start + rows > self._cos.shape[0]:
+            self._fill_table(start + rows)
+        keys, values = zip(*buffers)
+        head, bias = self._step_head
+        tokens, parents, depths = (torch.from_numpy(_int64(a)) for a in (tree.tokens, tree.parents, tree.depths))
+        logits, last = self._fused.layer_stack().step(self.embedding, tokens, parents, depths, start, rows, self._cos,
+                                                      self._sin, keys, values, self.final_norm, head, bias)
+        return logits, (last if want_hidden else None)
+
+    @property
+    def _step_head(self) -> tuple[list, torch.Tensor | None] | None:
+        """The head as :meth:`tree_step`'s call takes it, or ``None`` where that call does not apply."""
+        head = self.lm_head
+        if (self._fused is None or not self._fused.attends or not isinstance(head, Int4Projection)
+                or self.embedding.device.type != "cpu" or self.embedding.dtype != torch.float32):
+            return None
+        return head.native, head.bias
 
     def _layer(self, index: int, layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[Segment], rows: int, slots: SlotBatch | SlotWrites | None = None,
@@ -659,6 +696,13 @@ def _stacked(weights: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tenso
         stacked[start : start + weight.shape[0]].copy_(weight)
         start += weight.shape[0]
     return stacked
+
+
+def _int64(values: np.ndarray) -> np.ndarray:
+    """``values`` as a writable C-contiguous int64 array (itself when it is one: a tree's arrays are)."""
+    if values.dtype == np.int64 and values.flags.c_contiguous and values.flags.writeable:
+        return values
+    return np.array(values, dtype=np.int64)
 
 
 def _silu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

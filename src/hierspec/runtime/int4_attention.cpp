@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <array>
@@ -637,6 +638,75 @@ at::Tensor ExactLayerStack::forward(at::Tensor hidden, const at::Tensor& cos, co
   if (runs_as_team(hidden.size(0))) hierspec_team::with_team(layers);
   else layers();
   return hidden;
+}
+
+// One verification forward of a breadth-first tree (tokens, parents, depths: int64 [n], parents[0] = -1 and every
+// other parent an earlier node) in `rows` >= n rows over `past` cached entries, whose keys and values go to slots
+// past .. past + rows - 1: each row's token and position (padding rows repeat the root's token and position, as
+// TreeInputs writes them), its embedding row and rotation rows copied from the tables, the attention plan
+// (ExactPlan.of_tree's: row r attends slots 0 .. past - 1, then past + each node on its path from the root; a padding
+// row past + r alone), every layer (forward), then the final norm of the tree's n rows and the head -> {logits
+// [n, vocab], the normed rows [n, hidden]}. The decoder's own operations in one call instead of ~30 Python-level
+// steps around the stack (BENCHMARKS.md, "Seventy-first session").
+std::vector<at::Tensor> ExactLayerStack::step(const at::Tensor& embedding, const at::Tensor& tokens,
+                                              const at::Tensor& parents, const at::Tensor& depths, int64_t past,
+                                              int64_t rows, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                              const std::vector<at::Tensor>& keys,
+                                              const std::vector<at::Tensor>& values, const at::Tensor& final_norm,
+                                              const std::vector<std::vector<at::Tensor>>& head,
+                                              const c10::optional<at::Tensor>& head_bias) const {
+  for (const auto& [t, name] : {std::pair{&tokens, "tokens"}, {&parents, "parents"}, {&depths, "depths"}})
+    check_int64(*t, name);
+  const int64_t n = tokens.size(0);
+  TORCH_CHECK(n >= 1 && rows >= n && past >= 0 && parents.size(0) == n && depths.size(0) == n,
+              "step: a tree of n >= 1 nodes (tokens, parents, depths alike) in rows >= n");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kFloat && embedding.is_contiguous(),
+              "step: a contiguous float32 embedding table");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == dim_ && sin_table.sizes() == cos_table.sizes() &&
+                  cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
+                  cos_table.is_contiguous() && sin_table.is_contiguous(),
+              "step: contiguous float32 rotation tables [positions, head_dim]");
+  const int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* parent = parents.data_ptr<int64_t>();
+  const int64_t* depth = depths.data_ptr<int64_t>();
+  TORCH_CHECK(parent[0] == -1, "step: the root's parent must be -1");
+  for (int64_t i = 1; i < n; ++i) TORCH_CHECK(parent[i] >= 0 && parent[i] < i, "step: parents must precede children");
+  const int64_t vocab = embedding.size(0), width = embedding.size(1), positions = cos_table.size(0);
+  const auto longs = at::TensorOptions().dtype(at::kLong);
+  auto hidden = at::empty({rows, width}, embedding.options());
+  auto cos = at::empty({1, 1, rows, dim_}, cos_table.options());
+  auto sin = at::empty({1, 1, rows, dim_}, sin_table.options());
+  auto write_slots = at::empty({rows}, longs);
+  auto indptr = at::empty({rows + 1}, longs);
+  int64_t* ptr = indptr.data_ptr<int64_t>();
+  ptr[0] = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    // a row's path: the root's depth 0 up to its own (the plan's depths, from the parents alone)
+    int64_t steps = 0;
+    for (int64_t node = r < n ? r : -1; node > 0; node = parent[node]) ++steps;
+    ptr[r + 1] = ptr[r] + past + (r < n ? steps + 1 : 1);
+  }
+  auto indices = at::empty({ptr[rows]}, longs);
+  int64_t* slot = indices.data_ptr<int64_t>();
+  int64_t* written = write_slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t id = r < n ? token[r] : token[0], position = past + (r < n ? depth[r] : 0);
+    TORCH_CHECK(id >= 0 && id < vocab, "step: a token outside the embedding table");
+    TORCH_CHECK(position >= 0 && position < positions, "step: a position beyond the rotation tables");
+    std::memcpy(hidden.data_ptr<float>() + r * width, embedding.data_ptr<float>() + id * width, width * sizeof(float));
+    std::memcpy(cos.data_ptr<float>() + r * dim_, cos_table.data_ptr<float>() + position * dim_, dim_ * sizeof(float));
+    std::memcpy(sin.data_ptr<float>() + r * dim_, sin_table.data_ptr<float>() + position * dim_, dim_ * sizeof(float));
+    written[r] = past + r;
+    int64_t* row = slot + ptr[r];
+    for (int64_t j = 0; j < past; ++j) row[j] = j;
+    int64_t end = ptr[r + 1] - ptr[r];
+    if (r >= n) row[end - 1] = past + r;
+    for (int64_t node = r < n ? r : -1; node >= 0; node = parent[node]) row[--end] = past + node;
+  }
+  const auto zeros = at::zeros({rows}, longs);
+  hidden = forward(hidden, cos, sin, keys, values, zeros, write_slots, indptr, indices, zeros);
+  const auto last = rms_norm(hidden.narrow(0, 0, n), final_norm, eps_);
+  return {project_stacks(last, head, head_bias), last};
 }
 
 // One int4 layer with exact attention: its plan checked, then planned_layer.

@@ -105,6 +105,13 @@ class ExactLayerStack {
                      const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                      const at::Tensor& write_blocks, const at::Tensor& write_slots, const at::Tensor& indptr,
                      const at::Tensor& indices, const at::Tensor& blocks) const;
+  // one tree's whole verification forward: inputs, plan, every layer, final norm and head (int4_attention.cpp)
+  std::vector<at::Tensor> step(const at::Tensor& embedding, const at::Tensor& tokens, const at::Tensor& parents,
+                               const at::Tensor& depths, int64_t past, int64_t rows, const at::Tensor& cos_table,
+                               const at::Tensor& sin_table, const std::vector<at::Tensor>& keys,
+                               const std::vector<at::Tensor>& values, const at::Tensor& final_norm,
+                               const std::vector<std::vector<at::Tensor>>& head,
+                               const c10::optional<at::Tensor>& head_bias) const;
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
   // whether a forward of `rows` rows runs with a helper thread: asked for, few rows, every product an integer one
   bool runs_as_team(int64_t rows) const;
