@@ -36,6 +36,7 @@ from hierspec.runtime.packed_store import PackedStore
 from hierspec.runtime.quantized import CachedWeights, Int4Kernels, Int4Projection, Int4Weight, pack_stacks
 from hierspec.runtime.slots import (SlotBatch, SlotPool, SlotWrites, finish_slot_batch, plan_slot_batch,
                                     plan_slot_writes, slot_attention, write_slot_rows)
+from hierspec.tree import DraftTree
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +399,7 @@ class LlamaFamilyDecoder:
         """Room for ``rows`` entries after the cache's: their first slot and every layer's buffers."""
         return cache.reserve(rows, self.embedding.new_empty((1, self.kv_heads, 0, self.head_dim)))
 
-    def tree_step(self, cache, tree, rows: int, want_hidden: bool
+    def tree_step(self, cache, tree: DraftTree, rows: int, want_hidden: bool
                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """:meth:`forward` of ``tree`` (its nodes, padded to ``rows``) with exact attention and the whole head, as
         one compiled call (``ExactLayerStack.step``: the rows' inputs, plan, every layer, the final norm and the
