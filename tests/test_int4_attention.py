@@ -2,6 +2,8 @@
 alone at the end of its path, on one thread or two, in one sequence's cache or a pool's; close to the numba kernel;
 bad plans refused; the int4 decoder's layers run through it."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -386,6 +388,41 @@ def test_a_forward_with_a_helper_thread_equals_one_without_bit_for_bit(module, t
                 assert all(torch.equal(a, b) for pair, copy in zip(buffers, copies) for a, b in zip(pair, copy))
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_stacks_reused_tensors_never_reach_its_caller_and_two_threads_may_share_a_stack(module, tmp_path):
+    """A stack forward reuses its layers' tensors from one forward to the next (``int4_scratch.h``): what it returns
+    is its own (the next forward leaves it as it was), and a second thread's forward while the first runs allocates
+    its own — the same results as one after the other."""
+    target = _int4_target(*_tiny(tmp_path), "vnni8", attention="exact")
+    decoder = target.runtime.decoder
+    if decoder._fused is None or not decoder._fused.attends:
+        pytest.skip("the compiled layers do not attend here")
+    stack = decoder._fused.layer_stack()
+    inputs = [_stack_inputs(decoder, rows, 30, seed=seed) for seed, rows in enumerate((1, 1, 3, 3))]
+
+    def forward(hidden, cos, sin, buffers, writes, plan):
+        copies = [[b.clone() for b in pair] for pair in buffers]
+        return stack.forward(hidden, cos, sin, [k for k, _ in copies], [v for _, v in copies], *writes, *plan)
+
+    alone, kept = [], []
+    for args in inputs:
+        alone.append(forward(*args))
+        kept.append(alone[-1].clone())
+    assert all(torch.equal(a, b) for a, b in zip(alone, kept))  # later forwards wrote none of the earlier results
+    assert not torch.equal(kept[0], kept[1])  # other inputs (seeds), other results: a real check above
+    results = [None] * len(inputs)
+
+    def run(index: int) -> None:
+        for _ in range(20):
+            results[index] = forward(*inputs[index])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(got, want) for got, want in zip(results, kept))
 
 
 def test_an_error_inside_a_team_forward_reaches_the_caller_and_the_next_forward_runs(module, tmp_path):

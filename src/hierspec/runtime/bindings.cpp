@@ -15,9 +15,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_bf16_mm", &int4_bf16_mm, "4-bit or 8-bit product of float32 rows by AVX512-BF16 dot products");
   m.def("vnni_ready", &vnni_ready, "whether the integer (VNNI) products can run in this build");
   m.def("vnni_width", &vnni_width, "the integer products' vector width in bits: 512 (AVX512-VNNI), 256 (AVX2), 0");
-  m.def("int4_vnni_mm", &int4_vnni_mm,
+  m.def("int4_vnni_mm",
+        [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+           const at::Tensor& units) { return int4_vnni_mm(x, codes, scale, bias, units); },
         "4-bit or 8-bit product of float32 rows (two 8-bit codes an input) by integer dot products");
-  m.def("int4_vnni8_mm", &int4_vnni8_mm,
+  m.def("int4_vnni8_mm",
+        [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+           const at::Tensor& units) { return int4_vnni8_mm(x, codes, scale, bias, units); },
         "4-bit or 8-bit product of float32 rows (one 8-bit code an input) by integer dot products");
   m.def("dense_mm", &dense_mm, "float32 rows times a weight prepacked by oneDNN, in float32");
   m.def("dense_bf16_ready", &dense_bf16_ready, "whether the AVX512-BF16 dense products can run in this build");
@@ -26,9 +30,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_f32_mm", &dense_f32_mm, "float32 rows times a float32 weight packed in blocks of 16 outputs");
   m.def("dense_members_mm", &dense_members_mm,
         "float32 rows times members' bfloat16 weights, side by side, in float32");
-  m.def("rms_norm", &rms_norm, "RMS norm of each float32 row");
+  m.def("rms_norm", [](const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+    return rms_norm(hidden, weight, eps);
+  }, "RMS norm of each float32 row");
   m.def("attention_inputs", &attention_inputs, "an int4 layer's rotated queries, keys and values");
-  m.def("silu_product", &silu_product, "silu(gate) * up of float32 rows");
+  m.def("silu_product", [](const at::Tensor& gate, const at::Tensor& up) { return silu_product(gate, up); },
+        "silu(gate) * up of float32 rows");
   m.def("mlp_block", &mlp_block, "an int4 layer's output projection, MLP block and residuals");
   m.def("prompt_norm", &prompt_norm, "a prompt layer's input norm, in the products' dtype");
   m.def("prompt_qkv", &prompt_qkv, "a prompt layer's rotated queries and keys and its values from the q/k/v product");

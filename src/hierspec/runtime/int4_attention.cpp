@@ -24,6 +24,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <vector>
 
 #include "int4_layers.h"
@@ -529,7 +531,7 @@ at::Tensor attend_checked(const at::Tensor& query, const at::Tensor& key, const 
                           const at::Tensor& blocks, double scale) {
   const int64_t heads = query.size(1), rows = query.size(2), dim = query.size(3), kv_heads = key.size(1);
   const auto q = query.stride(3) == 1 ? query : query.contiguous();
-  auto out = at::empty({rows, heads * dim}, query.options());
+  auto out = hierspec_scratch::tensor(hierspec_scratch::kAttended, {rows, heads * dim}, query.options());
   if (keys.scalar_type() == at::kHalf)
     attend_rows(q, key, value, reinterpret_cast<uint16_t*>(keys.data_ptr<at::Half>()),
                 reinterpret_cast<uint16_t*>(values.data_ptr<at::Half>()), keys.size(1), write_blocks, write_slots,
@@ -626,8 +628,12 @@ at::Tensor ExactLayerStack::forward(at::Tensor hidden, const at::Tensor& cos, co
                 "every layer's key and value buffers alike in shape");
   check_plan(indptr, indices, blocks, write_blocks, write_slots, hidden.size(0), keys[0].size(0), keys[0].size(1),
              kv_heads_);
+  // the layers' tensors reused from the last forward (int4_scratch.h), unless another thread's forward holds them
+  std::unique_lock<std::mutex> arena(arena_mutex_, std::try_to_lock);
   // each layer's weights queued a layer ahead: fetched while the layer before runs its one-thread parts
   const auto layers = [&] {
+    std::optional<hierspec_scratch::Using> reused;
+    if (arena.owns_lock()) reused.emplace(arena_);
     warm_layer(layers_[0]);
     for (size_t i = 0; i < layers_.size(); ++i) {
       if (i + 1 < layers_.size()) warm_layer(layers_[i + 1]);
@@ -637,7 +643,7 @@ at::Tensor ExactLayerStack::forward(at::Tensor hidden, const at::Tensor& cos, co
   };
   if (runs_as_team(hidden.size(0))) hierspec_team::with_team(layers);
   else layers();
-  return hidden;
+  return arena.owns_lock() ? hidden.clone() : hidden;  // the arena's tensor is the next forward's
 }
 
 // One verification forward of a breadth-first tree (tokens, parents, depths: int64 [n], parents[0] = -1 and every

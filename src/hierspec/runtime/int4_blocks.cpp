@@ -45,7 +45,8 @@ using hierspec_int4::vf;
 // per pass; or a dense weight prepacked by oneDNN {weight} or {weight, rows a call}, a bfloat16 or float32
 // weight packed for the dots kernel {weight} or a prompt's members' own weights {w_1, ...} (a model loaded from float
 // weights).
-at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& stack) {
+at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& stack,
+                         hierspec_scratch::Role role = hierspec_scratch::kNone) {
   if (stack[0].is_mkldnn()) return dense_mm(rows, stack[0], stack.size() > 1 ? stack[1].item<int64_t>() : 0);
   if (stack[0].scalar_type() == at::kBFloat16 || stack[0].scalar_type() == at::kFloat) {
     // the dots kernel's packed weight (bfloat16 4-D, float32 3-D), or its prompts' members' own weights (2-D)
@@ -54,8 +55,8 @@ at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& 
     return dense_members_mm(rows, stack);
   }
   if (stack[0].dim() == 6)
-    return (stack.size() == 5 ? int4_vnni8_mm : int4_vnni_mm)(rows.contiguous(), stack[0], stack[1], stack[2],
-                                                              stack[3]);
+    return stack.size() == 5 ? int4_vnni8_mm(rows.contiguous(), stack[0], stack[1], stack[2], stack[3], role)
+                             : int4_vnni_mm(rows.contiguous(), stack[0], stack[1], stack[2], stack[3], role);
   if (stack[0].dim() == 5) return int4_bf16_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
   if (stack[0].dim() == 4) return int4_amx_mm(rows.contiguous(), stack[0], stack[1], stack[2]);
   if (stack[0].scalar_type() == at::kChar) return int8_mm(rows.contiguous(), stack[0], stack[1]);
@@ -67,10 +68,11 @@ at::Tensor stack_product(const at::Tensor& rows, const std::vector<at::Tensor>& 
   return product;
 }
 
-// A projection: its stacks side by side, plus the float32 bias where it has one (an undefined tensor otherwise).
+// A projection: its stacks side by side, plus the float32 bias where it has one (an undefined tensor otherwise); a
+// single stack's product in `role`'s tensor (int4_scratch.h; several stacks' parts are joined into a new one).
 at::Tensor project(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
-                   const c10::optional<at::Tensor>& bias) {
-  auto product = stacks.size() == 1 ? stack_product(rows, stacks[0]) : [&] {
+                   const c10::optional<at::Tensor>& bias, hierspec_scratch::Role role = hierspec_scratch::kNone) {
+  auto product = stacks.size() == 1 ? stack_product(rows, stacks[0], role) : [&] {
     std::vector<at::Tensor> parts;
     for (const auto& stack : stacks) parts.push_back(stack_product(rows, stack));
     return at::cat(parts, -1);
@@ -102,12 +104,13 @@ inline void rotate_half(const float* __restrict in, const float* __restrict cos,
 
 std::vector<at::Tensor> rotate_heads(const at::Tensor& product, const at::Tensor& cos, const at::Tensor& signed_sin,
                                      int64_t heads, int64_t kv_heads, int64_t dim) {
+  using namespace hierspec_scratch;
   const int64_t rows = product.size(0), width = (heads + 2 * kv_heads) * dim, half = dim / 2;
   TORCH_CHECK(product.is_contiguous() && product.size(1) == width && dim % 2 == 0, "q/k/v product: [rows, width]");
   const auto c = cos.reshape({rows, dim}).contiguous(), s = signed_sin.reshape({rows, dim}).contiguous();
-  auto query = at::empty({1, heads, rows, dim}, product.options());
-  auto key = at::empty({1, kv_heads, rows, dim}, product.options());
-  auto value = at::empty({1, kv_heads, rows, dim}, product.options());
+  auto query = tensor(kQuery, {1, heads, rows, dim}, product.options());
+  auto key = tensor(kKey, {1, kv_heads, rows, dim}, product.options());
+  auto value = tensor(kValue, {1, kv_heads, rows, dim}, product.options());
   const float* x = product.data_ptr<float>();
   const float* cos_rows = c.data_ptr<float>();
   const float* sin_rows = s.data_ptr<float>();
@@ -238,9 +241,10 @@ inline void norm_row(const float* xr, const float* w, float eps, int64_t width, 
 
 // norm_row of every row of a contiguous float32 [rows, width], in `dtype` (float32 or bfloat16, rounded once), the
 // rows shared between threads from kParallelElements elements on (a prompt's rows; a tree's few stay on one thread)
-at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps, at::ScalarType dtype) {
+at::Tensor norm_rows(const at::Tensor& rows, const at::Tensor& weight, double eps, at::ScalarType dtype,
+                     hierspec_scratch::Role role = hierspec_scratch::kNone) {
   const int64_t count = rows.size(0), width = rows.size(1);
-  auto out = at::empty({count, width}, rows.options().dtype(dtype));
+  auto out = hierspec_scratch::tensor(role, {count, width}, rows.options().dtype(dtype));
   const RowsOf to(out);
   const float* x = rows.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -262,13 +266,14 @@ at::Tensor project_stacks(const at::Tensor& rows, const std::vector<std::vector<
   return project(rows, stacks, bias);
 }
 
-// silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product)
-at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
+// silu(gate) * up, float32 [rows, width] each (rows may be strided, as the halves of one gate/up product), in `role`'s
+// tensor (int4_scratch.h)
+at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up, hierspec_scratch::Role role) {
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.scalar_type() == at::kFloat &&
                   up.scalar_type() == at::kFloat && gate.stride(1) == 1 && up.stride(1) == 1,
               "gate, up: float32 [rows, width] with contiguous rows");
   const int64_t rows = gate.size(0), width = gate.size(1);
-  auto act = at::empty({rows, width}, gate.options());
+  auto act = hierspec_scratch::tensor(role, {rows, width}, gate.options());
   const float* gates = gate.data_ptr<float>();
   const float* ups = up.data_ptr<float>();
   float* outs = act.data_ptr<float>();
@@ -280,9 +285,9 @@ at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up) {
   return act;
 }
 
-at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, hierspec_scratch::Role role) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat, "hidden: float32 [rows, width]");
-  return norm_rows(hidden.contiguous(), weight, eps, at::kFloat);
+  return norm_rows(hidden.contiguous(), weight, eps, at::kFloat, role);
 }
 
 // Rotated queries and keys and the values [1, heads, rows, dim] of hidden [rows, hidden] (the decoder's
@@ -292,7 +297,8 @@ std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Ten
                                          const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
                                          const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim) {
   const int64_t rows = hidden.size(0);
-  const auto product = project(rms_norm(hidden, norm_weight, eps), qkv, bias);
+  using namespace hierspec_scratch;
+  const auto product = project(rms_norm(hidden, norm_weight, eps, kNorm), qkv, bias, kQkv);
   TORCH_CHECK(product.size(0) == rows, "q/k/v product rows");
   return rotate_heads(product.contiguous(), cos, signed_sin, heads, kv_heads, dim);
 }
@@ -302,11 +308,13 @@ at::Tensor mlp_block(const at::Tensor& hidden, const at::Tensor& attended, const
                      const std::vector<std::vector<at::Tensor>>& out,
                      const std::vector<std::vector<at::Tensor>>& gate_up,
                      const std::vector<std::vector<at::Tensor>>& down, int64_t intermediate) {
+  using namespace hierspec_scratch;
   const c10::optional<at::Tensor> none;
-  const auto residual = add_into(project(attended, out, none), hidden);
-  const auto both = project(rms_norm(residual, norm_weight, eps), gate_up, none);
-  const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate));
-  return add_into(project(act, down, none), residual);
+  const auto residual = add_into(project(attended, out, none, kOut), hidden);
+  const auto both = project(rms_norm(residual, norm_weight, eps, kNorm), gate_up, none, kGateUp);
+  const auto act = silu_product(both.narrow(1, 0, intermediate), both.narrow(1, intermediate, intermediate),
+                                kActivation);
+  return add_into(project(act, down, none, kDown), residual);
 }
 
 // The expanded prompt decoder's glue (see the top of this file): hidden float32 [rows, width], the products in their

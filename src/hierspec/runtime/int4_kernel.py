@@ -64,7 +64,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in (
     "dense_bf16.cpp", "dense_f32.cpp", "prompt_attention.cpp"))
 #: included by the sources: part of what a build depends on
 HEADERS = (Path(__file__).with_name("int4_vectors.h"), Path(__file__).with_name("int4_layers.h"),
-           Path(__file__).with_name("int4_tiles.h"), Path(__file__).with_name("int4_team.h"))
+           Path(__file__).with_name("int4_tiles.h"), Path(__file__).with_name("int4_team.h"),
+           Path(__file__).with_name("int4_scratch.h"))
 #: ``-fopenmp``: ``at::parallel_for`` is header code whose ``omp parallel`` is ignored without it (one thread); the
 #: binary then binds to the OpenMP runtime PyTorch has already loaded (the same soname), so both share one pool
 CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")

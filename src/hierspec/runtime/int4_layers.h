@@ -8,8 +8,11 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <mutex>
 #include <tuple>
 #include <vector>
+
+#include "int4_scratch.h"
 
 // The products (int4_kernel.cpp, int4_amx.cpp, int4_bf16.cpp, int4_vnni.cpp), float32 rows times a packed weight
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias);
@@ -24,6 +27,11 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
                         const at::Tensor& units);
 at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                          const at::Tensor& units);
+// the same, the output in `role`'s tensor of a layer stack's arena (int4_scratch.h)
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                        const at::Tensor& units, hierspec_scratch::Role role);
+at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                         const at::Tensor& units, hierspec_scratch::Role role);
 // int4_vnni.cpp: the blocks of an integer product's stack {codes, scales, ...} that a team's helper computes, queued
 // to be fetched into the caches ahead (int4_team.h; nothing outside a team)
 void warm_helper_share(const std::vector<at::Tensor>& stack);
@@ -42,12 +50,14 @@ at::Tensor dense_f32_mm(const at::Tensor& rows, const at::Tensor& weight);
 // rows times a projection's stacks side by side (each stack's kernel told by its codes), plus its bias where given
 at::Tensor project_stacks(const at::Tensor& rows, const std::vector<std::vector<at::Tensor>>& stacks,
                           const c10::optional<at::Tensor>& bias);
-at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps,
+                    hierspec_scratch::Role role = hierspec_scratch::kNone);
 std::vector<at::Tensor> attention_inputs(const at::Tensor& hidden, const at::Tensor& norm_weight, double eps,
                                          const std::vector<std::vector<at::Tensor>>& qkv,
                                          const c10::optional<at::Tensor>& bias, const at::Tensor& cos,
                                          const at::Tensor& signed_sin, int64_t heads, int64_t kv_heads, int64_t dim);
-at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up);
+at::Tensor silu_product(const at::Tensor& gate, const at::Tensor& up,
+                        hierspec_scratch::Role role = hierspec_scratch::kNone);
 // the expanded prompt decoder's glue between its products
 at::Tensor prompt_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps, at::ScalarType dtype);
 std::vector<at::Tensor> prompt_qkv(const at::Tensor& product, const c10::optional<at::Tensor>& bias,
@@ -121,6 +131,9 @@ class ExactLayerStack {
   int64_t heads_, kv_heads_, dim_;
   bool team_;
   std::vector<ExactLayerWeights> layers_;
+  // the layers' tensors a forward reuses (int4_scratch.h): one forward at a time holds them
+  mutable std::mutex arena_mutex_;
+  mutable hierspec_scratch::Arena arena_;
 };
 
 // head_guess.cpp

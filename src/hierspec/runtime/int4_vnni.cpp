@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "int4_layers.h"
+#include "int4_scratch.h"
 #include "int4_team.h"
 #include "int4_tiles.h"
 
@@ -938,17 +939,18 @@ void all_blocks(const Codes& w, const Source& source, bool eight, bool six, int6
 // x: float32 [M, K]; codes: uint8 [1, N / 16, K / 32, 4, 16, 4] (4-bit form) or int8 [1, N / 16, K / 32, 8, 16, 4]
 // (8-bit form). Scales stored per group (units empty): scale float32 or float16 [1, N / 16, K / 32, 16] or
 // [1, N / 16, K / 16, 16], bias the scale's dtype [N / 16, K / 32, 16] for the 4-bit form, empty for the 8-bit one;
-// or factored (check_factors). Rows as two 8-bit codes an input (Two) or one. Returns float32 [M, N].
+// or factored (check_factors). Rows as two 8-bit codes an input (Two) or one. Returns float32 [M, N], in the
+// tensor the layer stack's arena keeps for `role` (int4_scratch.h) or a new one.
 template <bool Two>
 at::Tensor integer_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                           const at::Tensor& bias, const at::Tensor& units) {
+                           const at::Tensor& bias, const at::Tensor& units, hierspec_scratch::Role role) {
   TORCH_CHECK(vnni_ready(), "the integer (VNNI) products need AVX512-VNNI or AVX2 with FMA and F16C");
   const bool factored = units.numel() > 0;
   TileShape shape = checked_codes(x, codes, CodeLayout::kQuads);
   if (factored) check_factors(shape, scale, bias, units);
   else check_scales(shape, scale, bias);
   const int64_t rows = x.size(0), n = shape.blocks * kBlock;
-  auto out = at::empty({rows, n}, x.options());
+  auto out = hierspec_scratch::tensor(role, {rows, n}, x.options());
   if (rows == 0) return out;
 #ifdef HIERSPEC_VNNI
   thread_local std::vector<int8_t> row_codes;
@@ -1016,13 +1018,23 @@ void warm_helper_share(const std::vector<at::Tensor>& stack) {
 
 // The product with rows as two 8-bit codes an input (integer_product's arguments).
 at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                        const at::Tensor& units, hierspec_scratch::Role role) {
+  return integer_product<true>(x, codes, scale, bias, units, role);
+}
+
+at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                         const at::Tensor& units) {
-  return integer_product<true>(x, codes, scale, bias, units);
+  return integer_product<true>(x, codes, scale, bias, units, hierspec_scratch::kNone);
 }
 #else
 // The product with rows as one 8-bit code an input.
 at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
+                         const at::Tensor& units, hierspec_scratch::Role role) {
+  return integer_product<false>(x, codes, scale, bias, units, role);
+}
+
+at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                          const at::Tensor& units) {
-  return integer_product<false>(x, codes, scale, bias, units);
+  return integer_product<false>(x, codes, scale, bias, units, hierspec_scratch::kNone);
 }
 #endif  // HIERSPEC_VNNI_ONE_CODE
