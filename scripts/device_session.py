@@ -49,6 +49,8 @@ _CHUNK = 1 << 20
 
 
 def sha256(path: Path) -> str:
+    """``hierspec.checksums.file_sha256``'s digest, standard library only: the device stages run before the packages
+    ``import hierspec`` needs are installed there."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(_CHUNK):
