@@ -4,9 +4,10 @@
 // exact_attention.py's numba kernel costs ~17 us for a one-row SmolLM2 layer, but its Python call (query copy, cache
 // write, array views, numba's argument checks) another ~50 us, 30 times a forward (~1.5 ms of a ~13 ms step on an
 // Intel Xeon), and it runs on one thread. Here the rows' keys and values are written into the cache buffer, then
-// every (block of rows, key/value head) task attends its rows' slots, the tasks shared out by PyTorch's own thread
-// pool. A block's rows read the slots they all attend once between them (a tree's rows share the cached context:
-// 16 rows over 1,024 float16 keys, 30 SmolLM2 layers, 31 -> 22 ms on a Zen 3), but each row's arithmetic is its own:
+// the call's (block of rows, key/value head, query) units are cut into one equal run a thread (share_out), each run
+// attending its queries' slots a (block, head) piece at a time. A piece's rows read the slots they all attend once
+// between them (a tree's rows share the cached context: 16 rows over 1,024 float16 keys, 30 SmolLM2 layers, 31 -> 22
+// ms on a Zen 3), but each row's arithmetic is its own:
 // every loop runs over its row's own key sequence (length and order the same alone, in a chain or anywhere in a
 // tree), so a row's result is bit-identical whatever the other rows and whichever thread runs it. The results are not
 // the numba kernel's bits (other reduction orders): the int4 decoder uses this kernel on every forward where the
@@ -339,59 +340,65 @@ void add_entries(const Operands<T>& o, int64_t block, const int64_t* slots, int6
   }
 }
 
-// Rows b.first .. b.last - 1, key/value head `head`: softmax(scale * q · k) · v over each row's slots for its
-// `groups` query heads — the shared slots scored and weighed for every query of the block at once, then each row's
-// own slots for its queries.
+// Queries [begin, end) of block b for key/value head `head` (query i is row b.first + i / groups's query head
+// head * groups + i % groups): softmax(scale * q · k) · v over each query's row's slots — the shared slots scored and
+// weighed for all the queries at once, then each row's own slots for its queries.
 template <typename T>
-void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, Scratch<T>& s) {
-  const int64_t groups = o.groups, dim = o.dim, queries = (b.last - b.first) * groups;
+void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, int64_t begin, int64_t end, Scratch<T>& s) {
+  const int64_t groups = o.groups, dim = o.dim, queries = end - begin;
   s.fit(queries, o.width);
-  for (int64_t r = b.first; r < b.last; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t i = (r - b.first) * groups + g, j = head * groups + g;
-      s.queries[i] = o.query + r * o.query_row + j * o.query_head;
-      s.outs[i] = o.out + r * (o.kv_heads * groups * dim) + j * dim;
-      s.lines[i] = s.scores.data() + i * s.stride;
-      s.parts[i] = s.lines[i] + b.shared;
-    }
+  const auto row_of = [&](int64_t i) { return b.first + (begin + i) / groups; };
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t r = row_of(i), j = head * groups + (begin + i) % groups;
+    s.queries[i] = o.query + r * o.query_row + j * o.query_head;
+    s.outs[i] = o.out + r * (o.kv_heads * groups * dim) + j * dim;
+    s.lines[i] = s.scores.data() + i * s.stride;
+    s.parts[i] = s.lines[i] + b.shared;
+  }
   const int64_t block = (o.blocks[b.first] + head) * o.slots;
   const auto own = [&](int64_t r) { return o.indptr[r + 1] - o.indptr[r] - b.shared; };
   // where row r's own entries start among the block's own entries
   const auto own_start = [&](int64_t r) { return o.indptr[r] - o.indptr[b.first] - (r - b.first) * b.shared; };
+  // row r's queries among [0, queries): [first, last)
+  const auto row_queries = [&](int64_t r) {
+    const int64_t at = (r - b.first) * groups - begin;
+    return std::pair{std::max<int64_t>(at, 0), std::min(at + groups, queries)};
+  };
+  const int64_t first_row = row_of(0), last_row = row_of(queries - 1) + 1;
   for (auto* list : {&s.keys, &s.values, &s.own_keys, &s.own_values}) list->clear();
   add_entries(o, block, o.indices + o.indptr[b.first], b.shared, s.keys, s.values);
   for (int64_t r = b.first; r < b.last; ++r)
     add_entries(o, block, o.indices + o.indptr[r] + b.shared, own(r), s.own_keys, s.own_values);
   score_queries(s.queries.data(), queries, s.keys.data(), b.shared, dim, s.lines.data());
-  for (int64_t r = b.first; r < b.last; ++r) {
-    const int64_t i = (r - b.first) * groups;
-    score_queries(s.queries.data() + i, groups, s.own_keys.data() + own_start(r), own(r), dim, s.parts.data() + i);
+  for (int64_t r = first_row; r < last_row; ++r) {
+    const auto [lo, hi] = row_queries(r);
+    score_queries(s.queries.data() + lo, hi - lo, s.own_keys.data() + own_start(r), own(r), dim,
+                  s.parts.data() + lo);
   }
   for (int64_t i = 0; i < queries; ++i) {
     // past the row's last key, to whole vectors: copies of its score (the same bits its own block would give)
-    const int64_t count = b.shared + own(b.first + i / groups);
+    const int64_t count = b.shared + own(row_of(i));
     std::fill(s.lines[i] + count, s.lines[i] + padded(count), s.lines[i][count - 1]);
     s.totals[i] = softmax_weights(s.lines[i], o.scale, count);
   }
   weigh_queries(s.lines.data(), queries, s.values.data(), b.shared, dim, false, s.outs.data());
-  for (int64_t r = b.first; r < b.last; ++r) {
-    const int64_t i = (r - b.first) * groups;
-    weigh_queries(s.parts.data() + i, groups, s.own_values.data() + own_start(r), own(r), dim, b.shared > 0,
-                  s.outs.data() + i);
+  for (int64_t r = first_row; r < last_row; ++r) {
+    const auto [lo, hi] = row_queries(r);
+    weigh_queries(s.parts.data() + lo, hi - lo, s.own_values.data() + own_start(r), own(r), dim, b.shared > 0,
+                  s.outs.data() + lo);
   }
   for (int64_t i = 0; i < queries; ++i)
     for (int64_t d = 0; d < dim; ++d) s.outs[i][d] = s.outs[i][d] / s.totals[i];
 }
 
-// Each sequence's rows (consecutive rows of one cache block) in `parts` blocks of about equal size, at most
-// kBlockRows rows each, with the count of leading slots all of a block's rows attend alike
-std::vector<RowBlock> row_blocks(const int64_t* ptr, const int64_t* indices, const int64_t* blocks, int64_t rows,
-                                 int64_t parts) {
+// Each sequence's rows (consecutive rows of one cache block) in blocks of at most kBlockRows rows, with the count of
+// leading slots all of a block's rows attend alike
+std::vector<RowBlock> row_blocks(const int64_t* ptr, const int64_t* indices, const int64_t* blocks, int64_t rows) {
   std::vector<RowBlock> out;
   for (int64_t first = 0; first < rows;) {
     int64_t end = first + 1;
     while (end < rows && blocks[end] == blocks[first]) ++end;
-    const int64_t count = std::max((end - first + kBlockRows - 1) / kBlockRows, std::min(parts, end - first));
+    const int64_t count = (end - first + kBlockRows - 1) / kBlockRows;
     for (int64_t k = 0; k < count; ++k) {
       const int64_t a = first + (end - first) * k / count, z = first + (end - first) * (k + 1) / count;
       int64_t shared = ptr[a + 1] - ptr[a];
@@ -405,6 +412,32 @@ std::vector<RowBlock> row_blocks(const int64_t* ptr, const int64_t* indices, con
     first = end;
   }
   return out;
+}
+
+// One thread's share of a call: key/value head `head` of row block `block`, its queries [begin, end)
+struct Piece {
+  int64_t block, head, begin, end;
+};
+
+// Every (row block, key/value head, query) of a call, in that order, cut into `threads` runs of equal length (to a
+// query): each thread reads about the same keys and values and scores about as many queries, whatever the count of
+// key/value heads (three SmolLM2 heads on two threads: one row's 9 queries as 5 and 4, not as two heads and one)
+std::vector<std::vector<Piece>> share_out(const std::vector<RowBlock>& row_set, int64_t kv_heads, int64_t groups,
+                                          int64_t threads) {
+  int64_t total = 0;
+  for (const auto& b : row_set) total += kv_heads * (b.last - b.first) * groups;
+  std::vector<std::vector<Piece>> shares(threads);
+  int64_t at = 0;  // units before the current (block, head)
+  for (int64_t k = 0; k < static_cast<int64_t>(row_set.size()); ++k) {
+    const int64_t queries = (row_set[k].last - row_set[k].first) * groups;
+    for (int64_t h = 0; h < kv_heads; ++h, at += queries)
+      for (int64_t t = 0; t < threads; ++t) {
+        const int64_t lo = std::max(total * t / threads - at, int64_t{0});
+        const int64_t hi = std::min(total * (t + 1) / threads - at, queries);
+        if (lo < hi) shares[t].push_back(Piece{k, h, lo, hi});
+      }
+  }
+  return shares;
 }
 
 void check_int64(const at::Tensor& t, const char* name) {
@@ -489,17 +522,14 @@ void attend_rows(const at::Tensor& q, const at::Tensor& key, const at::Tensor& v
   const Operands<T> o{q.data_ptr<float>(), q.stride(2), q.stride(1), keys, values, buffer_slots, ptr,
                       indices.data_ptr<int64_t>(), blocks.data_ptr<int64_t>(), kv_heads, heads / kv_heads, dim,
                       width, static_cast<float>(scale), out.data_ptr<float>()};
-  // a sequence's rows split so that the (block, head) tasks share out evenly over the threads
-  const int64_t threads = at::get_num_threads();
-  int64_t parts = 1;
-  while (parts < threads && (parts * kv_heads) % threads != 0) ++parts;
-  const auto row_set = row_blocks(ptr, o.indices, o.blocks, rows, parts);
-  const int64_t tasks = static_cast<int64_t>(row_set.size()) * kv_heads;
-  const int64_t grain = indices.size(0) * heads < kParallelWork ? tasks : 1;
-  hierspec_team::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  const auto row_set = row_blocks(ptr, o.indices, o.blocks, rows);
+  const int64_t threads = indices.size(0) * heads < kParallelWork ? 1 : at::get_num_threads();
+  const auto shares = share_out(row_set, kv_heads, heads / kv_heads, threads);
+  hierspec_team::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     auto& scratch = thread_scratch<T>();
-    for (int64_t task = begin; task < end; ++task)
-      attend_block(o, row_set[task / kv_heads], task % kv_heads, scratch);
+    for (int64_t t = begin; t < end; ++t)
+      for (const auto& piece : shares[t])
+        attend_block(o, row_set[piece.block], piece.head, piece.begin, piece.end, scratch);
   });
 }
 
