@@ -414,7 +414,7 @@ std::vector<RowBlock> row_blocks(const int64_t* ptr, const int64_t* indices, con
   return out;
 }
 
-// One thread's share of a call: key/value head `head` of row block `block`, its queries [begin, end)
+// Part of a thread's share of a call: key/value head `head` of row block `block`, its queries [begin, end)
 struct Piece {
   int64_t block, head, begin, end;
 };
