@@ -89,6 +89,35 @@ def test_every_row_of_a_random_tree_equals_the_row_alone_and_the_rows_keys_are_w
             assert torch.equal(row[0], tree[node]), f"past {past}, node {node} of {nodes}"
 
 
+@pytest.mark.parametrize("shape", [(HEADS, KV_HEADS, DIM), (12, 2, 128), (4, 2, 72)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_a_context_in_consecutive_slots_gives_the_bits_of_the_same_entries_scattered(module, threads, shape):
+    """A context in one run of slots is read at a stride, one spread over slots with gaps through a list of
+    addresses: the same entries in the same order give the same bits either way (a chain of five rows)."""
+    heads, kv_heads, dim = shape
+    gen = torch.Generator().manual_seed(dim + threads)
+    past, rows = 400, 5
+    capacity = 2 * past + rows + 8
+    context_k, context_v = (torch.randn(kv_heads, past, dim, generator=gen).half() for _ in range(2))
+    query = torch.randn(1, heads, rows, dim, generator=gen)
+    key, value = (torch.randn(1, kv_heads, rows, dim, generator=gen) for _ in range(2))
+    scattered = torch.sort(torch.randperm(2 * past, generator=gen)[:past]).values  # ascending, with gaps
+    assert int(scattered[-1] - scattered[0]) > past - 1
+    outputs = []
+    # the rows' own slots right after the context's last, as decoding writes them
+    for slots, written in ((torch.arange(past), torch.arange(past, past + rows)),
+                           (scattered, torch.arange(2 * past, 2 * past + rows))):
+        keys, values = (torch.zeros(kv_heads, capacity, dim, dtype=torch.half) for _ in range(2))
+        keys[:, slots], values[:, slots] = context_k, context_v
+        mask = torch.zeros(rows, capacity, dtype=torch.bool)
+        mask[:, slots] = True
+        for row in range(rows):  # a chain: each row attends the rows before it and itself
+            mask[row, written[: row + 1]] = True
+        outputs.append(_attend(module, query, key, value, keys, values, torch.zeros(rows, dtype=torch.long), written,
+                               mask, scale=dim ** -0.5))
+    assert torch.equal(outputs[0], outputs[1])
+
+
 @pytest.mark.parametrize("half", [False, True], ids=["float32", "float16"])
 def test_rows_that_share_few_or_no_leading_slots_and_many_rows_each_equal_the_row_alone(module, threads, half):
     """Rows are attended in blocks that read their common leading slots once: rows whose slot lists part early (or

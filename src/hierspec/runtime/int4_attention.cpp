@@ -27,6 +27,8 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "int4_layers.h"
@@ -171,17 +173,31 @@ Scratch<T>& thread_scratch() {
   return scratch;
 }
 
+// Cache entries a kernel reads: a list of entry addresses (slots anywhere) or a run of consecutive slots (Strided);
+// entries[j] is entry j's address and entries + j the entries from j on, either way
+template <typename T>
+struct Strided {
+  const T* base;
+  int64_t stride;  // elements from one entry to the next
+  const T* operator[](int64_t j) const { return base + j * stride; }
+  Strided operator+(int64_t j) const { return {base + j * stride, stride}; }
+};
+
+// the element type of entries E (float, or uint16_t for float16)
+template <typename E>
+using EntryOf = std::remove_cv_t<std::remove_pointer_t<std::decay_t<decltype(std::declval<const E&>()[0])>>>;
+
 // QB queries' lane partials of kLanes keys at a time (key t: keys[min(j0 + t, count - 1)], so that a last partial
 // block repeats the last key) and their lane_sums into lines[g] + j0: each key's vectors multiplied lane-wise with
 // each query's over the whole vectors of dim in order. C is the count of whole vectors of dim when it is known at
 // compile time (0: read it from `chunks`). A query's operations are the same whichever queries are beside it.
-template <int QB, int C, typename T>
-void score_batch(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* const* lines) {
+template <int QB, int C, typename E>
+void score_batch(const float* const* q, const E& keys, int64_t count, int64_t chunks, float* const* lines) {
   const int64_t n = C > 0 ? C : chunks;
   for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
     vf part[QB][kLanes];
     for (int64_t t = 0; t < kLanes; ++t) {
-      const T* key = keys[std::min(j0 + t, count - 1)];
+      const auto* key = keys[std::min(j0 + t, count - 1)];
       prefetch_entry(keys[std::min(j0 + t + kPrefetchKeys, count - 1)], n * kLanes);
       vf sum[QB] = {};
       for (int64_t c = 0; c < n; ++c) {
@@ -197,15 +213,15 @@ void score_batch(const float* const* q, const T* const* keys, int64_t count, int
   }
 }
 
-template <int QB, typename T>
-void score_sized(const float* const* q, const T* const* keys, int64_t count, int64_t chunks, float* const* lines) {
+template <int QB, typename E>
+void score_sized(const float* const* q, const E& keys, int64_t count, int64_t chunks, float* const* lines) {
   if (chunks == 64 / kLanes) score_batch<QB, 64 / kLanes>(q, keys, count, chunks, lines);
   else if (chunks == 128 / kLanes) score_batch<QB, 128 / kLanes>(q, keys, count, chunks, lines);
   else score_batch<QB, 0>(q, keys, count, chunks, lines);
 }
 
-template <int QB = kQueryBlock, typename T>
-void score_some(int64_t size, const float* const* q, const T* const* keys, int64_t count, int64_t chunks,
+template <int QB = kQueryBlock, typename E>
+void score_some(int64_t size, const float* const* q, const E& keys, int64_t count, int64_t chunks,
                 float* const* lines) {
   if constexpr (QB > 0) {
     if (size == QB) score_sized<QB>(q, keys, count, chunks, lines);
@@ -216,11 +232,11 @@ void score_some(int64_t size, const float* const* q, const T* const* keys, int64
 // lines[g][j] = q_g · key j for `count` keys at `keys[j]` and `queries` queries: tiles of keys, each taken by every
 // block of queries, kLanes keys at a time (a last partial block repeats its last key, so the line's entries up to
 // whole vectors past `count` are copies of the last key's score), then the tail of dim in order.
-template <typename T>
-void score_queries(const float* const* q, int64_t queries, const T* const* keys, int64_t count, int64_t dim,
+template <typename E>
+void score_queries(const float* const* q, int64_t queries, const E& keys, int64_t count, int64_t dim,
                    float* const* lines) {
   const int64_t chunks = dim / kLanes, whole = chunks * kLanes;
-  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / (dim * sizeof(T)) / kLanes * kLanes);
+  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / (dim * sizeof(EntryOf<E>)) / kLanes * kLanes);
   float* tile_lines[kQueryBlock];
   for (int64_t j0 = 0; j0 < count; j0 += tile) {
     const int64_t n = std::min(tile, count - j0);
@@ -232,7 +248,7 @@ void score_queries(const float* const* q, int64_t queries, const T* const* keys,
   }
   for (int64_t g = 0; whole < dim && g < queries; ++g)
     for (int64_t j = 0; j < padded(count); ++j) {
-      const T* key = keys[std::min(j, count - 1)];
+      const auto* key = keys[std::min(j, count - 1)];
       float total = lines[g][j];
       // std::fma: one rounding each, whichever the entry type (gcc contracted only the float32 form)
       for (int64_t i = whole; i < dim; ++i) total = std::fma(q[g][i], widen(key[i]), total);
@@ -267,8 +283,8 @@ float softmax_weights(float* line, float scale, int64_t count) {
 // out_g += sum_j weights[g][j] * value j over `count` values, for GB queries and CB vectors of dim from `offset`,
 // the sums carried on from out_g where `resume`, else from 0: each element a chain of multiply-adds over the keys in
 // order, the chains of GB x CB accumulators side by side.
-template <int GB, int CB, typename T>
-void weigh_panel(const float* const* weights, const T* const* values, int64_t count, int64_t offset, bool resume,
+template <int GB, int CB, typename E>
+void weigh_panel(const float* const* weights, const E& values, int64_t count, int64_t offset, bool resume,
                  float* const* out) {
   vf acc[GB][CB];
   for (int g = 0; g < GB; ++g)
@@ -287,8 +303,8 @@ void weigh_panel(const float* const* weights, const T* const* values, int64_t co
 }
 
 // weigh_panel over dim's whole vectors: panels of four vectors, then one at a time
-template <int GB, typename T>
-void weigh_dim(const float* const* w, const T* const* values, int64_t count, int64_t whole, bool resume,
+template <int GB, typename E>
+void weigh_dim(const float* const* w, const E& values, int64_t count, int64_t whole, bool resume,
                float* const* out) {
   int64_t offset = 0;
   for (; offset + 4 * kLanes <= whole; offset += 4 * kLanes)
@@ -296,8 +312,8 @@ void weigh_dim(const float* const* w, const T* const* values, int64_t count, int
   for (; offset < whole; offset += kLanes) weigh_panel<GB, 1>(w, values, count, offset, resume, out);
 }
 
-template <int GB = kWeighBlock, typename T>
-void weigh_some(int64_t size, const float* const* w, const T* const* values, int64_t count, int64_t whole,
+template <int GB = kWeighBlock, typename E>
+void weigh_some(int64_t size, const float* const* w, const E& values, int64_t count, int64_t whole,
                 bool resume, float* const* out) {
   if constexpr (GB > 0) {
     if (size == GB) weigh_dim<GB>(w, values, count, whole, resume, out);
@@ -308,11 +324,11 @@ void weigh_some(int64_t size, const float* const* w, const T* const* values, int
 // out[g] (+)= sum_j weights[g][j] * value j for `queries` queries over `count` values (unnormalised; carried on
 // from out[g] where `resume`): tiles of values, each taken by every block of queries, then the tail of dim element by
 // element (the same chain, scalar).
-template <typename T>
-void weigh_queries(float* const* weights, int64_t queries, const T* const* values, int64_t count, int64_t dim,
+template <typename E>
+void weigh_queries(float* const* weights, int64_t queries, const E& values, int64_t count, int64_t dim,
                    bool resume, float* const* out) {
   const int64_t whole = dim - dim % kLanes;
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / (dim * sizeof(T)));
+  const int64_t tile = std::max<int64_t>(1, kTileBytes / (dim * sizeof(EntryOf<E>)));
   const float* tile_weights[kWeighBlock];
   for (int64_t j0 = 0; j0 < count; j0 += tile) {
     const int64_t n = std::min(tile, count - j0);
@@ -365,27 +381,40 @@ void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, int64_t
     return std::pair{std::max<int64_t>(at, 0), std::min(at + groups, queries)};
   };
   const int64_t first_row = row_of(0), last_row = row_of(queries - 1) + 1;
-  for (auto* list : {&s.keys, &s.values, &s.own_keys, &s.own_values}) list->clear();
-  add_entries(o, block, o.indices + o.indptr[b.first], b.shared, s.keys, s.values);
+  for (auto* list : {&s.own_keys, &s.own_values}) list->clear();
   for (int64_t r = b.first; r < b.last; ++r)
     add_entries(o, block, o.indices + o.indptr[r] + b.shared, own(r), s.own_keys, s.own_values);
-  score_queries(s.queries.data(), queries, s.keys.data(), b.shared, dim, s.lines.data());
-  for (int64_t r = first_row; r < last_row; ++r) {
-    const auto [lo, hi] = row_queries(r);
-    score_queries(s.queries.data() + lo, hi - lo, s.own_keys.data() + own_start(r), own(r), dim,
-                  s.parts.data() + lo);
-  }
-  for (int64_t i = 0; i < queries; ++i) {
-    // past the row's last key, to whole vectors: copies of its score (the same bits its own block would give)
-    const int64_t count = b.shared + own(row_of(i));
-    std::fill(s.lines[i] + count, s.lines[i] + padded(count), s.lines[i][count - 1]);
-    s.totals[i] = softmax_weights(s.lines[i], o.scale, count);
-  }
-  weigh_queries(s.lines.data(), queries, s.values.data(), b.shared, dim, false, s.outs.data());
-  for (int64_t r = first_row; r < last_row; ++r) {
-    const auto [lo, hi] = row_queries(r);
-    weigh_queries(s.parts.data() + lo, hi - lo, s.own_values.data() + own_start(r), own(r), dim, b.shared > 0,
-                  s.outs.data() + lo);
+  // the shared slots scored, each row's own ones, the softmax, then the values weighed alike
+  const auto attend = [&](const auto& keys, const auto& values) {
+    score_queries(s.queries.data(), queries, keys, b.shared, dim, s.lines.data());
+    for (int64_t r = first_row; r < last_row; ++r) {
+      const auto [lo, hi] = row_queries(r);
+      score_queries(s.queries.data() + lo, hi - lo, s.own_keys.data() + own_start(r), own(r), dim,
+                    s.parts.data() + lo);
+    }
+    for (int64_t i = 0; i < queries; ++i) {
+      // past the row's last key, to whole vectors: copies of its score (the same bits its own block would give)
+      const int64_t count = b.shared + own(row_of(i));
+      std::fill(s.lines[i] + count, s.lines[i] + padded(count), s.lines[i][count - 1]);
+      s.totals[i] = softmax_weights(s.lines[i], o.scale, count);
+    }
+    weigh_queries(s.lines.data(), queries, values, b.shared, dim, false, s.outs.data());
+    for (int64_t r = first_row; r < last_row; ++r) {
+      const auto [lo, hi] = row_queries(r);
+      weigh_queries(s.parts.data() + lo, hi - lo, s.own_values.data() + own_start(r), own(r), dim, b.shared > 0,
+                    s.outs.data() + lo);
+    }
+  };
+  // a sequence's cached context is one run of slots: read at a stride, with no list of addresses
+  const int64_t* shared = o.indices + o.indptr[b.first];
+  if (b.shared > 0 && shared[b.shared - 1] - shared[0] == b.shared - 1) {
+    const int64_t first = (block + shared[0]) * dim;
+    attend(Strided<T>{o.keys + first, dim}, Strided<T>{o.values + first, dim});
+  } else {
+    s.keys.clear();
+    s.values.clear();
+    add_entries(o, block, shared, b.shared, s.keys, s.values);
+    attend(s.keys.data(), s.values.data());
   }
   for (int64_t i = 0; i < queries; ++i)
     for (int64_t d = 0; d < dim; ++d) s.outs[i][d] = s.outs[i][d] / s.totals[i];
