@@ -467,12 +467,12 @@ class Runtime:
         if isinstance(cache, StaticTreeCache):
             logits, hidden = self.graphed.forward_tree(cache, tree, self.rows_for(tree.size), want_hidden)
             return (logits if head is None else logits[:, head.tokens]), hidden
-        past = cache.get_seq_length()
         rows = self.rows_for(tree.size)
         if self.decoder is not None and self.exact and head is None:
             stepped = self.decoder.tree_step(cache, tree, rows, want_hidden)
             if stepped is not None:
                 return stepped
+        past = cache.get_seq_length()
         ids, positions, mask, plan = self._tree_inputs(self.inputs, tree, past, rows)
         if self.decoder is not None:
             with cache.aligned(self.align):

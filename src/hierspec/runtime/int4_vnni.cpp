@@ -1024,7 +1024,7 @@ at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::
 
 at::Tensor int4_vnni_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                         const at::Tensor& units) {
-  return integer_product<true>(x, codes, scale, bias, units, hierspec_scratch::kNone);
+  return int4_vnni_mm(x, codes, scale, bias, units, hierspec_scratch::kNone);
 }
 #else
 // The product with rows as one 8-bit code an input.
@@ -1035,6 +1035,6 @@ at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at:
 
 at::Tensor int4_vnni8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& bias,
                          const at::Tensor& units) {
-  return integer_product<false>(x, codes, scale, bias, units, hierspec_scratch::kNone);
+  return int4_vnni8_mm(x, codes, scale, bias, units, hierspec_scratch::kNone);
 }
 #endif  // HIERSPEC_VNNI_ONE_CODE
