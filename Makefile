@@ -30,7 +30,8 @@ test: install
 # Python standard library (rest:corpus=code) and the model's answers to PROMPTS ShareGPT prompts (default 2000,
 # evaluation questions excluded; batched greedy generation, resumable), a draft head trained on KEYS positions of
 # the model's hidden states (default 300000), then this machine's verification cost curve (hierspec calibrate),
-# which sizes the draft trees. Finished stores are kept on a second run.
+# which sizes the draft trees. Finished stores are kept on a second run; a larger PROMPTS extends the model's answers
+# (those already generated are kept) and retrains the head, as does another KEYS.
 MODEL ?=
 PROMPTS ?=
 KEYS ?=

@@ -1,5 +1,6 @@
 """The model-dependent store: n-gram counting, top-k, the binary table, and the resumable builder."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -158,6 +159,40 @@ def test_interrupted_build_resumes_where_it_stopped(target, tmp_path, monkeypatc
         build_model_store(target, _prompts(), out, ModelStoreConfig(max_new_tokens=9, method="ar"))
 
 
+def test_a_larger_limit_extends_a_finished_store_with_the_answers_it_holds(target, tmp_path, monkeypatch):
+    """``make stores PROMPTS=N`` after a smaller N: the answers already generated are kept, only the new prompts are
+    answered, and the table is the one a build of all of them from scratch writes; fewer, other or differently
+    answered prompts are still refused without ``--overwrite``."""
+    config = ModelStoreConfig(key_len=1, value_len=2, max_new_tokens=8, batch_size=2)
+    reference = tmp_path / "reference"
+    build_model_store(target, _prompts(), reference, config)
+    out = tmp_path / "store"
+    build_model_store(target, _prompts(), out, dataclasses.replace(config, limit=4))
+    first = {r["index"]: r for r in map(json.loads, (out / GENERATIONS_FILE).read_text().splitlines())}
+    original = store_builds._answers
+    answered = []
+
+    def counting_answers(target, encoded, config):
+        answered.extend(i for i, ids in encoded.items())
+        yield from original(target, encoded, config)
+
+    monkeypatch.setattr(store_builds, "_answers", counting_answers)
+    header = build_model_store(target, _prompts(), out, config)
+    assert sorted(answered) == [4, 5]  # only the prompts the store did not hold
+    records = {r["index"]: r for r in map(json.loads, (out / GENERATIONS_FILE).read_text().splitlines())}
+    assert sorted(records) == list(range(6)) and all(records[i] == first[i] for i in range(4))
+    assert header["num_prompts"] == 6
+    assert (out / "ngrams.tokens").read_bytes() == (reference / "ngrams.tokens").read_bytes()
+    assert (out / "ngrams.counts").read_bytes() == (reference / "ngrams.counts").read_bytes()
+    assert not (tmp_path / ".store.partial").exists()
+    for prompts, settings in ((_prompts()[:3], config),                                   # fewer
+                              (_prompts()[1:] + ["w1 w2 w3 w4", "w5 w6"], config),        # not a continuation
+                              (_prompts() + ["w1 w2"], dataclasses.replace(config, max_new_tokens=9))):
+        with pytest.raises(DatastoreError, match="other prompts or settings"):
+            build_model_store(target, prompts, out, settings)
+    assert NgramTable.open(out).header["num_prompts"] == 6  # untouched by the refused builds
+
+
 def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_store(target, tmp_path, monkeypatch,
                                                                                    capsys):
     """``--preset default`` (``make stores MODEL=...``) builds ``suffix/``, ``code/``, ``head/`` and ``model/`` where
@@ -167,6 +202,7 @@ def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_sto
     chats.write_text(json.dumps([
         {"conversations": [{"from": "human", "value": "w1 w2 w3"}, {"from": "gpt", "value": "w4 w5 w6 w7"}]},
         {"conversations": [{"from": "human", "value": "w8 w9"}, {"from": "gpt", "value": "w10 w11"}]},
+        {"conversations": [{"from": "human", "value": "w12 w13 w14"}, {"from": "gpt", "value": "w15 w16"}]},
     ]))
     sources = tmp_path / "lib"
     sources.mkdir()
@@ -199,6 +235,45 @@ def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_sto
         make_drafter("rest:corpus=web", context)
     with pytest.raises(InputError, match="needs a 'suffix' datastore"):
         make_drafter("rest", DrafterContext(target, store_root=str(tmp_path / "none")))
+
+
+def test_the_default_head_is_retrained_when_the_answers_or_its_settings_change(target, tmp_path, monkeypatch,
+                                                                             capsys):
+    """``make stores PROMPTS=… KEYS=…`` on a machine that has the default stores: the model store is extended and
+    the head retrained on the new answers or settings; a head that already read them with these settings is kept,
+    and so is one written before heads recorded their answers' count, while the model store is unchanged."""
+    chats = tmp_path / "sharegpt.json"
+    chats.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"w{i} w{i + 1}"},
+                                                    {"from": "gpt", "value": f"w{i + 2} w{i + 3} w{i + 4}"}]}
+                                 for i in range(1, 7)]))
+    monkeypatch.setattr(store_builds, "preset_inputs", lambda name: [(chats, "sharegpt")] if name == "sharegpt" else [])
+    monkeypatch.setattr(store_builds, "DEFAULT_SUFFIX_STORES", ())
+    monkeypatch.setattr(target.tokenizer, "chat_template",
+                        "{% for m in messages %}{{ m['content'] }} {% endfor %}", raising=False)
+    root = tmp_path / "stores"
+    head = HeadBuildConfig(shortlist=16, width=8, epochs=1, held_out=0.3)
+
+    def build(answers: int, settings: HeadBuildConfig = head) -> str:
+        request = store_builds.BuildRequest(kind="suffix", out_dir=None, head=settings,
+                                            model_store=ModelStoreConfig(max_new_tokens=3, limit=answers, batch_size=2))
+        capsys.readouterr()
+        store_builds.build_default_stores(target, root, request)
+        return capsys.readouterr().out
+
+    assert "retrained" not in build(2)
+    assert "exists; kept" in build(2)
+    out = build(4)
+    assert "answers to the first 2 of these prompts" in out  # the model store extended
+    assert "retrained" in out
+    header = json.loads((root / "head" / "header.json").read_text())
+    assert header["sources"][0].endswith("(4 answers)")
+    assert "exists; kept" in build(4)
+    assert "retrained" in build(4, dataclasses.replace(head, epochs=2))
+    header = json.loads((root / "head" / "header.json").read_text())
+    header["sources"][0] = f"model-store:{root / 'model'}"  # as hierspec wrote it before the count
+    (root / "head" / "header.json").write_text(json.dumps(header))
+    assert "exists; kept" in build(4, dataclasses.replace(head, epochs=2))
+    assert "retrained" in build(5, dataclasses.replace(head, epochs=2))
 
 
 def test_the_generation_estimate_reads_every_prompt_once_and_decodes_a_batch_per_step():

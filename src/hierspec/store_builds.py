@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
 
@@ -54,6 +54,7 @@ from hierspec.errors import InputError
 from hierspec.jsonl import iter_jsonl
 from hierspec.loading import load_tokenizer, tokenizer_fingerprint
 from hierspec.methods import DrafterContext, make_drafter
+from hierspec.storage import write_file_atomic
 from hierspec.target import load_model
 
 log = logging.getLogger(__name__)
@@ -242,25 +243,53 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
         )
     (sharegpt, _), = preset_inputs("sharegpt")
     prompts = select_prompts(iter_prompts(sharegpt), _excluded(request), english_only=True)
+    answers_before = _answers_in(root / MODEL_KIND)
     headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
                                             overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")
-    headers[HEAD_KIND] = _default_head(target, root, sharegpt, request)
+    answers = headers[MODEL_KIND]["num_prompts"]
+    headers[HEAD_KIND] = _default_head(target, root, sharegpt, request, answers, unchanged=answers_before == answers)
     return headers
 
 
-def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest) -> dict:
-    """The default draft head, kept when it exists unless ``overwrite``: trained on the model store's answers (the
-    text the model itself writes: held-out top-1 40 % against 35 % on ShareGPT's answers for SmolLM2), then
-    ShareGPT's answers as assistant turns, up to the head's ``max_keys`` positions."""
+def _answers_in(model_dir: Path) -> int | None:
+    """How many prompts a finished model store answered (``None``: no finished store there)."""
+    return read_header(model_dir).get("num_prompts") if (model_dir / "header.json").is_file() else None
+
+
+def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest, answers: int, unchanged: bool) -> dict:
+    """The default draft head: trained on the model store's ``answers`` answers (the text the model itself writes:
+    held-out top-1 40 % against 35 % on ShareGPT's answers for SmolLM2), then ShareGPT's answers as assistant turns,
+    up to the head's ``max_keys`` positions. One that exists is kept unless ``overwrite``, or unless it was trained
+    with other settings or on another count of answers (a larger ``limit`` extended the model store; ``unchanged``:
+    this build did not change how many it holds)."""
     directory = root / HEAD_KIND
-    if (directory / "header.json").is_file() and not request.overwrite:
-        print(f"  {directory} exists; kept (pass --overwrite to rebuild)", flush=True)
-        return read_header(directory)
     model_dir = root / MODEL_KIND
+    sources = [f"model-store:{model_dir} ({answers} answers)", f"sharegpt:{sharegpt}"]
+    stale = False
+    if (directory / "header.json").is_file() and not request.overwrite:
+        header = read_header(directory)
+        # hierspec before 2026-12-05 did not write the count: such a head read the answers held before this build
+        legacy = [f"model-store:{model_dir}", f"sharegpt:{sharegpt}"] if unchanged else None
+        if header.get("sources") in (sources, legacy) and _same_head_settings(header, request.head):
+            print(f"  {directory} exists; kept (pass --overwrite to rebuild)", flush=True)
+            return header
+        print(f"  {directory} was trained on other answers or settings; it is retrained (the old head is kept "
+              f"until the new one is in place)", flush=True)
+        stale = True
     documents = chain(token_documents(target, model_dir, "jsonl"),
                       token_documents(target, sharegpt, "sharegpt", chat_template=True))
-    return build_head_store(target, documents, directory, request.head,
-                            sources=[f"model-store:{model_dir}", f"sharegpt:{sharegpt}"], overwrite=request.overwrite)
+    return build_head_store(target, documents, directory, request.head, sources=sources,
+                            overwrite=request.overwrite or stale)
+
+
+def _same_head_settings(header: dict, config: HeadBuildConfig) -> bool:
+    """Whether a head's header records the build settings ``config`` asks for (a setting it lacks, written before
+    that setting existed, counts as its default)."""
+    built = header.get("build")
+    if not isinstance(built, dict):
+        return False
+    defaults = asdict(HeadBuildConfig())
+    return all(built.get(name, defaults[name]) == value for name, value in asdict(config).items())
 
 
 def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width: int = 16, steps: int = 4) -> float:
@@ -327,14 +356,21 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
 
     The build works in ``.NAME.partial/`` beside ``out_dir`` (an interrupted build resumes there) and is put in place
     at the end (:mod:`hierspec.datastore.output`). Rerunning on a finished store with the same prompts only
-    recounts its n-grams: the old table stays readable until the new one replaces it.
+    recounts its n-grams: the old table stays readable until the new one replaces it. A finished store of the first
+    of these prompts (same model and settings, a smaller ``limit`` before) is extended: its answers are kept and only
+    the other prompts are answered.
     """
     prompts = list(prompts if config.limit is None else _take(prompts, config.limit))
     if not prompts:
         raise InputError("no prompts to generate from")
     params = _build_params(target, prompts, config)
     with claimed_output(out_dir) as out_dir:
-        work = _work_dir(out_dir, params, overwrite)
+        earlier = _answers_to_extend(out_dir, params, prompts)
+        work = _work_dir(out_dir, params, overwrite, extending=earlier is not None)
+        if earlier is not None and not (work / GENERATIONS_FILE).is_file():
+            write_file_atomic(work / GENERATIONS_FILE, lambda name: shutil.copyfile(earlier, name))
+            print(f"  {out_dir} holds answers to the first {read_build_params(out_dir)['num_prompts']} of these "
+                  f"prompts: they are kept and the other prompts answered", flush=True)
         start = time.perf_counter()
         done = load_generations(work / GENERATIONS_FILE)
         generate_missing(target, prompts, work / GENERATIONS_FILE, done, config)
@@ -352,13 +388,29 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
             top_k=config.top_k, prompt_source=prompt_source, method=config.method,
             max_new_tokens=config.max_new_tokens,
         )
-        put_in_place(work, out_dir, overwrite=True if _same_build(out_dir, params) else overwrite)
+        put_in_place(work, out_dir, overwrite=overwrite or earlier is not None or _same_build(out_dir, params))
     return header
 
 
-def _work_dir(out_dir: Path, params: dict, overwrite: bool) -> Path:
+def _answers_to_extend(out_dir: Path, params: dict, prompts: list[str]) -> Path | None:
+    """The generations file of a finished store in ``out_dir`` built with the same model and settings on fewer of
+    the same prompts (its prompts are the first of ``prompts``), which a build of all of them extends; else ``None``."""
+    previous = read_build_params(out_dir)
+    if previous is None or not (out_dir / "header.json").is_file() or not (out_dir / GENERATIONS_FILE).is_file():
+        return None
+    previous.pop("prompt_source", None)
+    count = previous.get("num_prompts")
+    if not isinstance(count, int) or not 0 < count < len(prompts):
+        return None
+    if {**previous, "num_prompts": len(prompts), "prompts_sha256": params["prompts_sha256"]} != params:
+        return None
+    return out_dir / GENERATIONS_FILE if previous["prompts_sha256"] == _prompts_digest(prompts[:count]) else None
+
+
+def _work_dir(out_dir: Path, params: dict, overwrite: bool, extending: bool = False) -> Path:
     """Where this build writes: a copy of a finished store of the same prompts (a recount), an unfinished build
-    left in ``out_dir`` by an older hierspec (adopted), or the resumable ``.NAME.partial``."""
+    left in ``out_dir`` by an older hierspec (adopted), or the resumable ``.NAME.partial`` (``extending``: the
+    finished store in ``out_dir`` is one this build extends, to be replaced at the end)."""
     if _same_build(out_dir, params) and (out_dir / "header.json").is_file():
         work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         for name in (BUILD_FILE, GENERATIONS_FILE):
@@ -366,10 +418,10 @@ def _work_dir(out_dir: Path, params: dict, overwrite: bool) -> Path:
         return work
     if _same_build(out_dir, params) and not (out_dir.parent / f".{out_dir.name}.partial").exists():
         os.rename(out_dir, out_dir.parent / f".{out_dir.name}.partial")
-    elif out_dir.exists() and (out_dir / BUILD_FILE).is_file() and not overwrite:
+    elif out_dir.exists() and (out_dir / BUILD_FILE).is_file() and not (overwrite or extending):
         raise DatastoreError(f"{out_dir} holds a build of other prompts or settings; pass --overwrite to replace it")
     else:
-        check_replaceable(out_dir, overwrite)
+        check_replaceable(out_dir, overwrite or extending)
     return resumable_work_dir(out_dir, params, restart=overwrite)
 
 
@@ -391,9 +443,13 @@ def _take(items: Iterable[str], n: int) -> Iterator[str]:
 
 def _build_params(target, prompts: list[str], config: ModelStoreConfig) -> dict:
     """What the generations depend on: a build with other parameters cannot resume or recount this one's."""
-    digest = hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
     return {"model": target.name, "tokenizer_fingerprint": target.tokenizer_fingerprint,
-            "max_new_tokens": config.max_new_tokens, "num_prompts": len(prompts), "prompts_sha256": digest}
+            "max_new_tokens": config.max_new_tokens, "num_prompts": len(prompts),
+            "prompts_sha256": _prompts_digest(prompts)}
+
+
+def _prompts_digest(prompts: list[str]) -> str:
+    return hashlib.sha256("\x00".join(prompts).encode("utf-8")).hexdigest()
 
 
 
