@@ -31,7 +31,8 @@ test: install
 # evaluation questions excluded; batched greedy generation, resumable), a draft head trained on KEYS positions of
 # the model's hidden states (default 300000), then this machine's verification cost curve (hierspec calibrate),
 # which sizes the draft trees. Finished stores are kept on a second run; a larger PROMPTS extends the model's answers
-# (those already generated are kept) and retrains the head, as does another KEYS.
+# (those already generated are kept) and retrains the head, as does a larger KEYS; stores holding more than asked
+# (more answers, a head on more positions) are kept.
 MODEL ?=
 PROMPTS ?=
 KEYS ?=

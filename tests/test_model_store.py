@@ -268,12 +268,17 @@ def test_the_default_head_is_retrained_when_the_answers_or_its_settings_change(t
     header = json.loads((root / "head" / "header.json").read_text())
     assert header["sources"][0].endswith("(4 answers)")
     assert "exists; kept" in build(4)
-    assert "retrained" in build(4, dataclasses.replace(head, epochs=2))
+    out = build(2)  # a store holding more than asked is kept, and the head that read it
+    assert "holds answers to 4 prompts, these 2 first; kept" in out and "retrained" not in out
+    assert json.loads((root / "model" / "header.json").read_text())["num_prompts"] == 4
+    assert "exists; kept" in build(4, dataclasses.replace(head, max_keys=100))  # fewer positions asked
+    assert "retrained" in build(4, dataclasses.replace(head, max_keys=10**6))
+    assert "retrained" in build(4, dataclasses.replace(head, epochs=2, max_keys=10**6))
     header = json.loads((root / "head" / "header.json").read_text())
     header["sources"][0] = f"model-store:{root / 'model'}"  # as hierspec wrote it before the count
     (root / "head" / "header.json").write_text(json.dumps(header))
-    assert "exists; kept" in build(4, dataclasses.replace(head, epochs=2))
-    assert "retrained" in build(5, dataclasses.replace(head, epochs=2))
+    assert "exists; kept" in build(4, dataclasses.replace(head, epochs=2, max_keys=10**6))
+    assert "retrained" in build(5, dataclasses.replace(head, epochs=2, max_keys=10**6))
 
 
 def test_the_generation_estimate_reads_every_prompt_once_and_decodes_a_batch_per_step():

@@ -243,9 +243,16 @@ def build_default_stores(target, root: Path, request: BuildRequest) -> dict:
         )
     (sharegpt, _), = preset_inputs("sharegpt")
     prompts = select_prompts(iter_prompts(sharegpt), _excluded(request), english_only=True)
+    prompts = list(prompts if config.limit is None else _take(prompts, config.limit))
     answers_before = _answers_in(root / MODEL_KIND)
-    headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
-                                            overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")
+    if not request.overwrite and _holds_more_answers(root / MODEL_KIND, _build_params(target, prompts, config),
+                                                     prompts):
+        print(f"  {root / MODEL_KIND} holds answers to {answers_before} prompts, these {len(prompts)} first; kept "
+              f"(pass --overwrite to rebuild)", flush=True)
+        headers[MODEL_KIND] = read_header(root / MODEL_KIND)
+    else:
+        headers[MODEL_KIND] = build_model_store(target, prompts, root / MODEL_KIND, config,
+                                                overwrite=request.overwrite, prompt_source=f"sharegpt:{sharegpt}")
     answers = headers[MODEL_KIND]["num_prompts"]
     headers[HEAD_KIND] = _default_head(target, root, sharegpt, request, answers, unchanged=answers_before == answers)
     return headers
@@ -256,12 +263,28 @@ def _answers_in(model_dir: Path) -> int | None:
     return read_header(model_dir).get("num_prompts") if (model_dir / "header.json").is_file() else None
 
 
+def _holds_more_answers(model_dir: Path, params: dict, prompts: list[str]) -> bool:
+    """Whether a finished model store in ``model_dir`` answered more prompts than ``prompts``, these first, with the
+    same model and settings (``params``: what a build of ``prompts`` would record): a smaller ``limit`` keeps it."""
+    previous = read_build_params(model_dir)
+    if previous is None or not (model_dir / "header.json").is_file():
+        return False
+    previous.pop("prompt_source", None)
+    count = previous.get("num_prompts")
+    if not isinstance(count, int) or count <= len(prompts):
+        return False
+    if {**previous, "num_prompts": len(prompts), "prompts_sha256": params["prompts_sha256"]} != params:
+        return False
+    records = load_generations(model_dir / GENERATIONS_FILE)
+    return all(i in records and records[i].get("prompt") == prompt for i, prompt in enumerate(prompts))
+
+
 def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest, answers: int, unchanged: bool) -> dict:
     """The default draft head: trained on the model store's ``answers`` answers (the text the model itself writes:
     held-out top-1 40 % against 35 % on ShareGPT's answers for SmolLM2), then ShareGPT's answers as assistant turns,
     up to the head's ``max_keys`` positions. One that exists is kept unless ``overwrite``, or unless it was trained
-    with other settings or on another count of answers (a larger ``limit`` extended the model store; ``unchanged``:
-    this build did not change how many it holds)."""
+    with other settings (or fewer positions) or on another count of answers (a larger ``limit`` extended the model
+    store; ``unchanged``: this build did not change how many it holds)."""
     directory = root / HEAD_KIND
     model_dir = root / MODEL_KIND
     sources = [f"model-store:{model_dir} ({answers} answers)", f"sharegpt:{sharegpt}"]
@@ -270,7 +293,7 @@ def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest, ans
         header = read_header(directory)
         # hierspec before 2026-12-05 did not write the count: such a head read the answers held before this build
         legacy = [f"model-store:{model_dir}", f"sharegpt:{sharegpt}"] if unchanged else None
-        if header.get("sources") in (sources, legacy) and _same_head_settings(header, request.head):
+        if header.get("sources") in (sources, legacy) and _head_serves(header, request.head):
             print(f"  {directory} exists; kept (pass --overwrite to rebuild)", flush=True)
             return header
         print(f"  {directory} was trained on other answers or settings; it is retrained (the old head is kept "
@@ -282,14 +305,18 @@ def _default_head(target, root: Path, sharegpt: Path, request: BuildRequest, ans
                             overwrite=request.overwrite or stale)
 
 
-def _same_head_settings(header: dict, config: HeadBuildConfig) -> bool:
-    """Whether a head's header records the build settings ``config`` asks for (a setting it lacks, written before
-    that setting existed, counts as its default)."""
+def _head_serves(header: dict, config: HeadBuildConfig) -> bool:
+    """Whether a head's header records the build settings ``config`` asks for, or as many positions or more
+    (``max_keys``) with the others the same (a setting it lacks, written before that setting existed, counts as its
+    default)."""
     built = header.get("build")
     if not isinstance(built, dict):
         return False
     defaults = asdict(HeadBuildConfig())
-    return all(built.get(name, defaults[name]) == value for name, value in asdict(config).items())
+    built = {name: built.get(name, default) for name, default in defaults.items()}
+    asked = asdict(config)
+    positions = built.pop("max_keys")
+    return isinstance(positions, int) and positions >= asked.pop("max_keys") and built == asked
 
 
 def estimate_minutes(target, lengths: list[int], config: ModelStoreConfig, width: int = 16, steps: int = 4) -> float:
