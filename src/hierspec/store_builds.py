@@ -266,14 +266,8 @@ def _answers_in(model_dir: Path) -> int | None:
 def _holds_more_answers(model_dir: Path, params: dict, prompts: list[str]) -> bool:
     """Whether a finished model store in ``model_dir`` answered more prompts than ``prompts``, these first, with the
     same model and settings (``params``: what a build of ``prompts`` would record): a smaller ``limit`` keeps it."""
-    previous = read_build_params(model_dir)
-    if previous is None or not (model_dir / "header.json").is_file():
-        return False
-    previous.pop("prompt_source", None)
-    count = previous.get("num_prompts")
-    if not isinstance(count, int) or count <= len(prompts):
-        return False
-    if {**previous, "num_prompts": len(prompts), "prompts_sha256": params["prompts_sha256"]} != params:
+    count = _finished_count(model_dir, params)
+    if count is None or count <= len(prompts):
         return False
     records = load_generations(model_dir / GENERATIONS_FILE)
     return all(i in records and records[i].get("prompt") == prompt for i, prompt in enumerate(prompts))
@@ -422,16 +416,23 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
 def _answers_to_extend(out_dir: Path, params: dict, prompts: list[str]) -> Path | None:
     """The generations file of a finished store in ``out_dir`` built with the same model and settings on fewer of
     the same prompts (its prompts are the first of ``prompts``), which a build of all of them extends; else ``None``."""
+    count = _finished_count(out_dir, params)
+    if count is None or not 0 < count < len(prompts):
+        return None
+    digest = read_build_params(out_dir)["prompts_sha256"]
+    return out_dir / GENERATIONS_FILE if digest == _prompts_digest(prompts[:count]) else None
+
+
+def _finished_count(out_dir: Path, params: dict) -> int | None:
+    """How many prompts a finished store in ``out_dir`` answered, when it was built with the model and settings of
+    ``params`` (what a build would record; its prompts aside); else ``None``."""
     previous = read_build_params(out_dir)
     if previous is None or not (out_dir / "header.json").is_file() or not (out_dir / GENERATIONS_FILE).is_file():
         return None
     previous.pop("prompt_source", None)
     count = previous.get("num_prompts")
-    if not isinstance(count, int) or not 0 < count < len(prompts):
-        return None
-    if {**previous, "num_prompts": len(prompts), "prompts_sha256": params["prompts_sha256"]} != params:
-        return None
-    return out_dir / GENERATIONS_FILE if previous["prompts_sha256"] == _prompts_digest(prompts[:count]) else None
+    same = {**previous, "num_prompts": params["num_prompts"], "prompts_sha256": params["prompts_sha256"]} == params
+    return count if same and isinstance(count, int) and isinstance(previous.get("prompts_sha256"), str) else None
 
 
 def _work_dir(out_dir: Path, params: dict, overwrite: bool, extending: bool = False) -> Path:
