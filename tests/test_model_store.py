@@ -216,7 +216,9 @@ def test_the_default_stores_are_a_chat_store_a_code_store_a_head_and_a_model_sto
                                         model_store=ModelStoreConfig(max_new_tokens=3, limit=2, batch_size=2),
                                         head=HeadBuildConfig(shortlist=16, width=8, epochs=1, held_out=0.3))
     headers = store_builds.build_default_stores(target, root, request)
-    assert "generating 2 answers: estimated" in capsys.readouterr().out  # timed on the batched path
+    out = capsys.readouterr().out
+    assert "generating 2 answers: estimated" in out  # timed on the batched path
+    assert "~9 minutes on a 2-core Zen 4" in out  # the head's time scales with its 300,000 positions
     assert set(headers) == {"suffix", "code", "head", "model"}
     assert headers["head"]["kind"] == "head" and headers["head"]["pairs"] > 0
     assert headers["suffix"]["kind"] == headers["code"]["kind"] == "suffix" and headers["model"]["num_prompts"] == 2
