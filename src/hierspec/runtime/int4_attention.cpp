@@ -372,17 +372,18 @@ void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, int64_t
     s.parts[i] = s.lines[i] + b.shared;
   }
   const int64_t block = (o.blocks[b.first] + head) * o.slots;
+  // the rows these queries belong to: [first_row, last_row)
+  const int64_t first_row = row_of(0), last_row = row_of(queries - 1) + 1;
   const auto own = [&](int64_t r) { return o.indptr[r + 1] - o.indptr[r] - b.shared; };
-  // where row r's own entries start among the block's own entries
-  const auto own_start = [&](int64_t r) { return o.indptr[r] - o.indptr[b.first] - (r - b.first) * b.shared; };
+  // where row r's own entries start among those rows' own entries
+  const auto own_start = [&](int64_t r) { return o.indptr[r] - o.indptr[first_row] - (r - first_row) * b.shared; };
   // row r's queries among [0, queries): [first, last)
   const auto row_queries = [&](int64_t r) {
     const int64_t at = (r - b.first) * groups - begin;
     return std::pair{std::max<int64_t>(at, 0), std::min(at + groups, queries)};
   };
-  const int64_t first_row = row_of(0), last_row = row_of(queries - 1) + 1;
   for (auto* list : {&s.own_keys, &s.own_values}) list->clear();
-  for (int64_t r = b.first; r < b.last; ++r)
+  for (int64_t r = first_row; r < last_row; ++r)
     add_entries(o, block, o.indices + o.indptr[r] + b.shared, own(r), s.own_keys, s.own_values);
   // the shared slots scored, each row's own ones, the softmax, then the values weighed alike
   const auto attend = [&](const auto& keys, const auto& values) {
@@ -405,7 +406,8 @@ void attend_block(const Operands<T>& o, const RowBlock& b, int64_t head, int64_t
                     s.outs.data() + lo);
     }
   };
-  // a sequence's cached context is one run of slots: read at a stride, with no list of addresses
+  // a sequence's cached context is one run of slots: read at a stride, with no list of addresses (a row's slots are
+  // ascending, so a first and last slot count - 1 apart hold every slot between them in order)
   const int64_t* shared = o.indices + o.indptr[b.first];
   if (b.shared > 0 && shared[b.shared - 1] - shared[0] == b.shared - 1) {
     const int64_t first = (block + shared[0]) * dim;
