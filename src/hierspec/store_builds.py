@@ -274,8 +274,8 @@ def _answers_in(model_dir: Path) -> int | None:
 def _holds_more_answers(model_dir: Path, params: dict, prompts: list[str]) -> bool:
     """Whether a finished model store in ``model_dir`` answered more prompts than ``prompts``, these first, with the
     same model and settings (``params``: what a build of ``prompts`` would record): a smaller ``limit`` keeps it."""
-    count = _finished_count(model_dir, params)
-    if count is None or count <= len(prompts):
+    previous = _finished_build(model_dir, params)
+    if previous is None or previous["num_prompts"] <= len(prompts):
         return False
     records = load_generations(model_dir / GENERATIONS_FILE)
     return all(i in records and records[i].get("prompt") == prompt for i, prompt in enumerate(prompts))
@@ -395,11 +395,11 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
     params = _build_params(target, prompts, config)
     with claimed_output(out_dir) as out_dir:
         earlier = _answers_to_extend(out_dir, params, prompts)
-        work = _work_dir(out_dir, params, overwrite, extending=earlier is not None)
-        if earlier is not None and not (work / GENERATIONS_FILE).is_file():
-            write_file_atomic(work / GENERATIONS_FILE, lambda name: shutil.copyfile(earlier, name))
-            print(f"  {out_dir} holds answers to the first {read_build_params(out_dir)['num_prompts']} of these "
-                  f"prompts: they are kept and the other prompts answered", flush=True)
+        work = _work_dir(out_dir, params, overwrite, extending=earlier > 0)
+        if earlier and not (work / GENERATIONS_FILE).is_file():
+            write_file_atomic(work / GENERATIONS_FILE, lambda name: shutil.copyfile(out_dir / GENERATIONS_FILE, name))
+            print(f"  {out_dir} holds answers to the first {earlier} of these prompts: they are kept and the other "
+                  f"prompts answered", flush=True)
         start = time.perf_counter()
         done = load_generations(work / GENERATIONS_FILE)
         generate_missing(target, prompts, work / GENERATIONS_FILE, done, config)
@@ -417,30 +417,30 @@ def build_model_store(target, prompts: Iterable[str], out_dir: str | Path, confi
             top_k=config.top_k, prompt_source=prompt_source, method=config.method,
             max_new_tokens=config.max_new_tokens,
         )
-        put_in_place(work, out_dir, overwrite=overwrite or earlier is not None or _same_build(out_dir, params))
+        put_in_place(work, out_dir, overwrite=overwrite or earlier > 0 or _same_build(out_dir, params))
     return header
 
 
-def _answers_to_extend(out_dir: Path, params: dict, prompts: list[str]) -> Path | None:
-    """The generations file of a finished store in ``out_dir`` built with the same model and settings on fewer of
-    the same prompts (its prompts are the first of ``prompts``), which a build of all of them extends; else ``None``."""
-    count = _finished_count(out_dir, params)
-    if count is None or not 0 < count < len(prompts):
-        return None
-    digest = read_build_params(out_dir)["prompts_sha256"]
-    return out_dir / GENERATIONS_FILE if digest == _prompts_digest(prompts[:count]) else None
+def _answers_to_extend(out_dir: Path, params: dict, prompts: list[str]) -> int:
+    """How many answers a finished store in ``out_dir`` holds that a build of ``prompts`` extends: one built with the
+    same model and settings on fewer of the same prompts (its prompts are the first of ``prompts``); else 0."""
+    previous = _finished_build(out_dir, params)
+    count = 0 if previous is None else previous["num_prompts"]
+    if not 0 < count < len(prompts):
+        return 0
+    return count if previous["prompts_sha256"] == _prompts_digest(prompts[:count]) else 0
 
 
-def _finished_count(out_dir: Path, params: dict) -> int | None:
-    """How many prompts a finished store in ``out_dir`` answered, when it was built with the model and settings of
-    ``params`` (what a build would record; its prompts aside); else ``None``."""
+def _finished_build(out_dir: Path, params: dict) -> dict | None:
+    """The recorded parameters of a finished store in ``out_dir`` built with the model and settings of ``params``
+    (what a build would record; its prompts aside); else ``None``."""
     previous = read_build_params(out_dir)
     if previous is None or not (out_dir / "header.json").is_file() or not (out_dir / GENERATIONS_FILE).is_file():
         return None
     previous.pop("prompt_source", None)
-    count = previous.get("num_prompts")
     same = {**previous, "num_prompts": params["num_prompts"], "prompts_sha256": params["prompts_sha256"]} == params
-    return count if same and isinstance(count, int) and isinstance(previous.get("prompts_sha256"), str) else None
+    valid = isinstance(previous.get("num_prompts"), int) and isinstance(previous.get("prompts_sha256"), str)
+    return previous if same and valid else None
 
 
 def _work_dir(out_dir: Path, params: dict, overwrite: bool, extending: bool = False) -> Path:
