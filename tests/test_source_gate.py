@@ -65,6 +65,25 @@ def test_a_database_whose_tokens_save_more_than_its_search_is_searched_every_ste
     assert gate.report()["head"]["interval"] == 1
 
 
+def test_the_rows_that_verify_a_databases_tokens_count_against_what_they_save():
+    """One token accepted a search at 5 ms a token against a 1 ms search: searched every step while its rows add
+    3.5 ms to the step (1.5 ms net), gated once they add 4.5 ms (0.5 ms net)."""
+    paying = SourceGate(["rest"], warmup=4)
+    for _ in range(20):
+        assert paying.due("rest")
+        paying.searched("rest", 1.0, 1, 5.0, rows_ms=3.5)
+    assert paying.report()["rest"] == {"searches": 20, "ms": 1.0, "saved_ms": 1.5, "interval": 1}
+    losing = SourceGate(["rest"], warmup=4)
+    pattern = ""
+    for _ in range(10):
+        searched = losing.due("rest")
+        pattern += "S" if searched else "."
+        if searched:
+            losing.searched("rest", 1.0, 1, 5.0, rows_ms=4.5)
+    assert pattern == "SSSS" + ".S" + "...S"
+    assert losing.report()["rest"]["saved_ms"] == 0.5
+
+
 def test_a_gated_database_that_pays_again_is_searched_every_step_again():
     gate = SourceGate(["statistics"], warmup=4, decay=0.1)
     warmed(gate, "statistics", ms=1.0, accepted=0)

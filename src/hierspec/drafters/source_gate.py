@@ -1,7 +1,10 @@
 """Which of `hd`'s databases to search in a step: each one's search time against the time its tokens save.
 
 A database's search costs milliseconds every step, whether or not its candidates make it into the tree and are
-accepted; a token it supplies that the target accepts saves about one target step. Where the target's step is cheap
+accepted; a token it supplies that the target accepts saves about one target step, less what the rows verifying
+its tree added to the forward where the tree is that database's alone (a retrieval method's, counted by
+:class:`~hierspec.drafters.cost_aware.CostAwareDrafter`; ``hd``'s rows are shared by its databases and priced by
+its scored tree instead). Where the target's step is cheap
 (SmolLM2's one-token forward ~5 ms on the integer products), a database searched in ~1.5 ms that supplies an
 accepted token once in twenty steps costs more than it saves (BENCHMARKS.md, "Forty-fourth session": `hd` 1.029x
 `ar` with the ShareGPT statistics store and the draft head, 1.164x without them); on a 1.5B target's 60 ms step the
@@ -70,16 +73,17 @@ class SourceGate:
         record = self._records[name]
         return record.searches < self.warmup or record.pays() or record.backoff.tick()
 
-    def searched(self, name: str, ms: float, accepted: int, token_ms: float) -> None:
+    def searched(self, name: str, ms: float, accepted: int, token_ms: float, rows_ms: float = 0.0) -> None:
         """Account one search of ``name``: it took ``ms``, and ``accepted`` of the tokens it supplied were accepted,
-        each saving ``token_ms`` (the target's one-token step); a database's first search after :meth:`begin` is not
-        counted."""
+        each saving ``token_ms`` (the target's one-token step), while verifying them added ``rows_ms`` to the step
+        (where the database's tree is the step's alone; 0 where the rows are shared with other databases); a
+        database's first search after :meth:`begin` is not counted."""
         if name in self._uncounted:
             self._uncounted = self._uncounted - {name}
             return
         record = self._records[name]
         record.token_ms = token_ms
-        saved = accepted * token_ms
+        saved = accepted * token_ms - rows_ms
         if record.searches == 0:
             record.ms, record.saved = ms, saved
         else:
