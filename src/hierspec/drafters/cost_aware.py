@@ -28,7 +28,8 @@ every method that does not size its own trees:
   integer-product steps REST's ShareGPT search (~0.2 ms a step, MAT 1.01) and a dense store's (~0.8 ms, MAT 1.08)
   cost more than they saved. Counting the rows (since the seventy-fourth session) took SmolLM2's `rest` from
   0.946x / 0.955x `ar` to 0.971x / 0.981x on 65 dev questions (two runs, both rules side by side): the steps its
-  tokens saved had paid for the search but not for the rows of its rejected trees. Prompt lookup's search is not
+  tokens saved had paid for the search but not for the rows of its rejected trees. Qwen2.5-Coder-1.5B's `rest`,
+  whose curve prices a drafted row above what the decoding loop pays, went from 1.031x / 1.039x to 1.011x / 1.004x. Prompt lookup's search is not
   gated (``Drafter.gated_search``): it reads only the context, and its hits come in runs whose starts a gate
   misses.
 
@@ -335,8 +336,8 @@ class CostAwareDrafter(Drafter):
         return cut
 
     def _rows_ms(self) -> float:
-        """What verifying the step's found tree added to the forward: its rows beside the other generations' (one
-        row each for a lone root)."""
+        """What verifying the step's found tree added to the forward against verifying its root alone, beside the
+        other generations' rows in a batch (0 for a tree that is its root alone)."""
         shared = self._shared[0]
         return max(0.0, self.cost(shared + self._search_rows) - self.cost(shared + 1))
 
@@ -365,7 +366,7 @@ class CostAwareDrafter(Drafter):
             return
         depth = min(self._depth, MAX_DEPTH)
         accepted = min(len(verdict.path), depth)
-        if self._search_ms is not None:  # each accepted token saved about a one-token step of the target
+        if self._search_ms is not None:  # each accepted token saved about a one-token step; the tree's rows cost
             self.search_gate.searched(self.inner.name, self._search_ms, accepted, self.cost(1), self._rows_ms())
             self._search_ms = None
         _count_verdict(self._reached, self._accepted, depth, accepted)
