@@ -13,7 +13,8 @@ from hierspec.decode import SpeculativeDecoder
 from hierspec.drafters import NoDrafter
 from hierspec.drafters.base import Drafter
 from hierspec.drafters.prompt_lookup import PromptLookupDrafter
-from hierspec.drafters.cost_aware import CostAwareDrafter, cut_to_depth, depth_rates, probe_level
+from hierspec.drafters import cost_aware
+from hierspec.drafters.cost_aware import CostAwareDrafter, LoopRowCost, cut_to_depth, depth_rates, probe_level
 from hierspec.drafters.scored import ContextCost
 from hierspec.errors import InputError
 from hierspec.methods import DrafterContext, make_drafter
@@ -375,6 +376,7 @@ def test_a_retrieval_search_is_priced_net_of_the_rows_that_verify_its_tree():
     for name, curve in (("steep", steep), ("flat", flat)):
         inner = _SlowSearch(0.0075)
         drafter = CostAwareDrafter(inner, curve, explore_every=1000, max_explore_every=1000)
+        drafter._loop = LoopRowCost(warmup=10**9)  # the curve's rows only (the loop's own: the next tests)
         sizes = _run(drafter, 200, accepted=lambda tree: 1)
         runs[name] = (len(inner.budgets), drafter.gated_steps, sizes)
     searches, gated, sizes = runs["steep"]
@@ -383,6 +385,57 @@ def test_a_retrieval_search_is_priced_net_of_the_rows_that_verify_its_tree():
     assert min(sizes[:16]) >= 2 and sizes[-40:].count(1) >= 35  # trees while it learns, then the root alone
     searches, gated, sizes = runs["flat"]
     assert searches == 200 and gated == 0  # 10 ms saved, no row to pay: every step searches
+
+
+def test_the_loops_row_cost_is_read_off_its_steps(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(cost_aware.time, "perf_counter", lambda: clock[0])
+    loop = LoopRowCost(decay=0.5, warmup=2)
+    for rows, ms in ((1, 10.0), (3, 14.0), (1, 10.0)):
+        loop.proposed(rows)
+        clock[0] += ms / 1e3
+        loop.verified()
+        assert loop.per_row() is None  # two steps of each kind first
+    loop.verified()  # no proposal pending: nothing counted
+    for rows, ms in ((3, 18.0), (1, 12.0), (2, 14.0)):
+        loop.proposed(rows)
+        clock[0] += ms / 1e3
+        loop.verified()
+    # roots 10, 10, then 12 -> 11; rows: (14 - 10) / 2 = 2, then (18 - 10) / 2 = 4 -> 3, then (14 - 11) / 1 = 3 -> 3
+    assert loop.per_row() == pytest.approx(3.0)
+
+
+class _ClockedSearch(_Chain):
+    """A retrieval drafter whose search takes 3 ms of a fake clock and finds the chain every other step."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def propose(self, context, budget):
+        self.clock[0] += 3e-3
+        tree = super().propose(context, budget)
+        return tree if len(self.budgets) % 2 else root_only(int(context[-1]))
+
+
+def test_the_search_gate_charges_a_row_what_the_loop_pays_for_it(monkeypatch):
+    # a flat curve says rows are free; the loop pays 10 ms a step and `row_ms` more for each drafted row; every
+    # found tree has one token accepted (10 ms saved), so a search pays while one row costs less than 10 - 2 x 3 ms
+    clock = [0.0]
+    monkeypatch.setattr(cost_aware.time, "perf_counter", lambda: clock[0])
+    flat = CostCurve((1, 8, 64), (10.0, 10.0, 40.0), {}).cost
+    searches = {}
+    for row_ms in (0.0, 12.0):
+        inner = _ClockedSearch(clock)
+        drafter = CostAwareDrafter(inner, flat, explore_every=1000, max_explore_every=1000)
+        context = np.array([7])
+        for _ in range(200):
+            tree = drafter.propose(context, 1)  # one token at most: one drafted row
+            clock[0] += (10.0 + row_ms * (tree.size - 1)) / 1e3
+            drafter.observe(_verdict(tree, tree.size - 1), context)
+        searches[row_ms] = len(inner.budgets)
+    assert searches[0.0] == 200  # free rows: every step searches
+    assert searches[12.0] <= 40  # 12 ms a row against 10 saved: the gate closes once the loop's cost is known
 
 
 class _ColdFirstSearch(_Chain):

@@ -29,7 +29,9 @@ every method that does not size its own trees:
   cost more than they saved. Counting the rows (since the seventy-fourth session) took SmolLM2's `rest` from
   0.946x / 0.955x `ar` to 0.971x / 0.981x on 65 dev questions (two runs, both rules side by side): the steps its
   tokens saved had paid for the search but not for the rows of its rejected trees. Qwen2.5-Coder-1.5B's `rest`,
-  whose curve prices a drafted row above what the decoding loop pays, went from 1.031x / 1.039x to 1.011x / 1.004x. Prompt lookup's search is not
+  whose curve prices a drafted row above what the decoding loop pays, went from 1.031x / 1.039x to 1.011x / 1.004x;
+  so a drafted row is now charged what the loop was seen to pay for one (:class:`LoopRowCost`; the curve's figure
+  until eight steps of each kind were timed): SmolLM2 0.981x → 0.997x, the 1.5B 1.025x → 1.034x (one run each). Prompt lookup's search is not
   gated (``Drafter.gated_search``): it reads only the context, and its hits come in runs whose starts a gate
   misses.
 
@@ -82,6 +84,10 @@ FLOOR_ACCEPTANCE = 0.8
 #: an exploration verifies its level's first choice and, after it, only the nodes whose rows together cost at most
 #: this share of a one-token step
 PROBE_SHARE = 0.25
+#: weight of the newest step in the loop's observed row cost (:class:`LoopRowCost`)
+LOOP_DECAY = 0.05
+#: steps of each kind (the root alone, more rows) before the observed row cost replaces the curve's
+LOOP_WARMUP = 8
 
 
 class CostAwareDrafter(Drafter):
@@ -139,6 +145,7 @@ class CostAwareDrafter(Drafter):
         self.search_gate = SourceGate([inner.name]) if self._retrieval and inner.gated_search else None
         self._search_ms: float | None = None  # the step's search, until its verdict is accounted
         self._search_rows = 1  # the rows the step's found tree was verified in (root included)
+        self._loop = LoopRowCost()  # what a drafted row costs the decoding loop, for the search gate
         self.gated_steps = 0
 
     def cost(self, rows: int) -> float:
@@ -275,10 +282,10 @@ class CostAwareDrafter(Drafter):
             self.gated_steps += 1
             self._proposed = False
             self._depth = 0
-            return root_only(int(context[-1]))
+            return self._timed(root_only(int(context[-1])))
         self._cost_now = self._curve.at(context.shape[0])
         if self._retrieval:
-            return self._search_and_cut(context, budget)
+            return self._timed(self._search_and_cut(context, budget))
         planned = self.plan(budget)
         self._exploring = self._steps >= self._next_explore and budget > 0 and self.can_pay(min(budget, MAX_DEPTH))
         if self._exploring:
@@ -335,10 +342,21 @@ class CostAwareDrafter(Drafter):
         self._search_rows = 1 + cut.num_drafted
         return cut
 
+    def _timed(self, tree: DraftTree) -> DraftTree:
+        """``tree``, its verification timed by :attr:`_loop` where the search gate needs it (one generation alone in
+        its forwards: a batch's step times every generation's rows)."""
+        if self.search_gate is not None and self._shared[0] == 0:
+            self._loop.proposed(tree.size)
+        return tree
+
     def _rows_ms(self) -> float:
-        """What verifying the step's found tree added to the forward against verifying its root alone, beside the
-        other generations' rows in a batch (0 for a tree that is its root alone)."""
+        """What verifying the step's found tree added against verifying its root alone: the drafted rows at what the
+        decoding loop was seen to pay for one (:class:`LoopRowCost`), else on the cost curve beside the other
+        generations' rows in a batch (0 for a tree that is its root alone)."""
         shared = self._shared[0]
+        per_row = self._loop.per_row() if shared == 0 else None
+        if per_row is not None:
+            return per_row * (self._search_rows - 1)
         return max(0.0, self.cost(shared + self._search_rows) - self.cost(shared + 1))
 
     def _cut_free(self, tree: DraftTree) -> DraftTree:
@@ -358,6 +376,7 @@ class CostAwareDrafter(Drafter):
         self._nodes += np.bincount(np.minimum(tree.depths, MAX_DEPTH), minlength=MAX_DEPTH + 1)
 
     def observe(self, verdict: Verdict, context: np.ndarray) -> None:
+        self._loop.verified()
         self.inner.observe(verdict, context)  # the context grew, and the target's verdict on the root is news too
         if self._free:
             self._free = False
@@ -416,6 +435,45 @@ class CostAwareDrafter(Drafter):
 
     def describe(self) -> dict:
         return {**self.inner.describe(), "cost_aware": True, "draft_ms_per_token": round(self.draft_cost(1), 3)}
+
+
+class LoopRowCost:
+    """What a drafted row costs the decoding loop, as observed: the milliseconds from a proposal to its verdict (the
+    verification forward and the loop's work on the tree) as decayed means over the steps that verify the root alone
+    and, per row beyond the root, over the steps that verify more. The cost curve is timed on bare forwards at one
+    moment and misprices a drafted row in the loop both ways (seventy-fourth session: SmolLM2 0.1-0.16 ms on its
+    curve against ~0.7 in the loop, Qwen2.5-Coder-1.5B 3.3-4.3 against ~2.5)."""
+
+    def __init__(self, decay: float = LOOP_DECAY, warmup: int = LOOP_WARMUP) -> None:
+        self.decay, self.warmup = decay, warmup
+        self._root_ms, self._roots = 0.0, 0  # decayed mean of a root-alone step, and how many were seen
+        self._row_ms, self._rowed = 0.0, 0  # decayed mean of a drafted row's extra, and how many steps gave one
+        self._since: float | None = None
+        self._rows = 1
+
+    def proposed(self, rows: int) -> None:
+        """A tree of ``rows`` nodes (root included) goes to the target now."""
+        self._since, self._rows = time.perf_counter(), rows
+
+    def verified(self) -> None:
+        """Its verdict is back: account the step (nothing when no timed proposal is pending)."""
+        if self._since is None:
+            return
+        ms = 1e3 * (time.perf_counter() - self._since)
+        self._since = None
+        if self._rows <= 1:
+            self._root_ms = ms if self._roots == 0 else self._root_ms + self.decay * (ms - self._root_ms)
+            self._roots += 1
+        elif self._roots:
+            extra = (ms - self._root_ms) / (self._rows - 1)
+            self._row_ms = extra if self._rowed == 0 else self._row_ms + self.decay * (extra - self._row_ms)
+            self._rowed += 1
+
+    def per_row(self) -> float | None:
+        """Milliseconds a drafted row adds to a step, once ``warmup`` steps of each kind were seen; ``None`` before."""
+        if self._roots < self.warmup or self._rowed < self.warmup:
+            return None
+        return max(0.0, self._row_ms)
 
 
 class _RowCosts:
