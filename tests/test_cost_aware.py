@@ -397,6 +397,10 @@ def test_the_loops_row_cost_is_read_off_its_steps(monkeypatch):
         loop.verified()
         assert loop.per_row() is None  # two steps of each kind first
     loop.verified()  # no proposal pending: nothing counted
+    loop.proposed(3)
+    clock[0] += 5.0  # a generation ended unanswered, the next one's prompt read
+    loop.forget_pending()
+    loop.verified()
     for rows, ms in ((3, 18.0), (1, 12.0), (2, 14.0)):
         loop.proposed(rows)
         clock[0] += ms / 1e3

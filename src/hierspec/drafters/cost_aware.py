@@ -31,9 +31,9 @@ every method that does not size its own trees:
   tokens saved had paid for the search but not for the rows of its rejected trees. Qwen2.5-Coder-1.5B's `rest`,
   whose curve prices a drafted row above what the decoding loop pays, went from 1.031x / 1.039x to 1.011x / 1.004x;
   so a drafted row is now charged what the loop was seen to pay for one (:class:`LoopRowCost`; the curve's figure
-  until eight steps of each kind were timed): SmolLM2 0.981x → 0.997x, the 1.5B 1.025x → 1.034x (one run each). Prompt lookup's search is not
-  gated (``Drafter.gated_search``): it reads only the context, and its hits come in runs whose starts a gate
-  misses.
+  until eight steps of each kind were timed): SmolLM2 0.981x → 0.997x, the 1.5B 1.025x → 1.034x (one run each).
+  Prompt lookup's search is not gated (``Drafter.gated_search``): it reads only the context, and its hits come in
+  runs whose starts a gate misses.
 
 Rates start from a prior of one success in two trials at depth 1 and, deeper, from the continuation the shallower
 depths show; they decay (:data:`DECAY` per step) so that they follow the text, and a new generation keeps
@@ -171,6 +171,7 @@ class CostAwareDrafter(Drafter):
         new text may suit the drafter better or worse, and depths the plan stopped trying would keep a stale rate)."""
         self.cut_steps = self.skipped_steps = self.gated_steps = 0
         self._search_ms = None
+        self._loop.forget_pending()  # a proposal the last generation left unanswered would time the prompt's reading
         if self.search_gate is not None:
             self.search_gate.begin()  # the generation's first search is not counted
         for counts in (self._reached, self._accepted, self._free_reached, self._free_accepted):
@@ -454,6 +455,10 @@ class LoopRowCost:
     def proposed(self, rows: int) -> None:
         """A tree of ``rows`` nodes (root included) goes to the target now."""
         self._since, self._rows = time.perf_counter(), rows
+
+    def forget_pending(self) -> None:
+        """Drop a proposal whose verdict will not come (its generation ended)."""
+        self._since = None
 
     def verified(self) -> None:
         """Its verdict is back: account the step (nothing when no timed proposal is pending)."""
