@@ -434,10 +434,9 @@ def _answers_to_extend(out_dir: Path, params: dict, prompts: list[str]) -> int:
 def _finished_build(out_dir: Path, params: dict) -> dict | None:
     """The recorded parameters of a finished store in ``out_dir`` built with the model and settings of ``params``
     (what a build would record; its prompts aside); else ``None``."""
-    previous = read_build_params(out_dir)
+    previous = _recorded_build(out_dir)
     if previous is None or not (out_dir / "header.json").is_file() or not (out_dir / GENERATIONS_FILE).is_file():
         return None
-    previous.pop("prompt_source", None)
     same = {**previous, "num_prompts": params["num_prompts"], "prompts_sha256": params["prompts_sha256"]} == params
     valid = isinstance(previous.get("num_prompts"), int) and isinstance(previous.get("prompts_sha256"), str)
     return previous if same and valid else None
@@ -463,11 +462,16 @@ def _work_dir(out_dir: Path, params: dict, overwrite: bool, extending: bool = Fa
 
 def _same_build(out_dir: Path, params: dict) -> bool:
     """True when ``out_dir`` holds the generations of a build with these parameters."""
+    return _recorded_build(out_dir) == params
+
+
+def _recorded_build(out_dir: Path) -> dict | None:
+    """The parameters a build recorded in ``out_dir`` (``None``: none recorded), without ``prompt_source``: written by
+    older hierspec, while the prompts' digest identifies them."""
     previous = read_build_params(out_dir)
-    if previous is None:
-        return False
-    previous.pop("prompt_source", None)  # written by older hierspec; the prompts' digest identifies them
-    return previous == params
+    if previous is not None:
+        previous.pop("prompt_source", None)
+    return previous
 
 
 def _take(items: Iterable[str], n: int) -> Iterator[str]:

@@ -339,13 +339,13 @@ class CostAwareDrafter(Drafter):
             depth += 1
             self._next_explore = self._steps + self._backoff.interval
         self._planned = depth
-        cut = self._cut(tree, depth, probe=self._exploring)
-        self._search_rows = 1 + cut.num_drafted
-        return cut
+        return self._cut(tree, depth, probe=self._exploring)
 
     def _timed(self, tree: DraftTree) -> DraftTree:
-        """``tree``, its verification timed by :attr:`_loop` where the search gate needs it (one generation alone in
-        its forwards: a batch's step times every generation's rows)."""
+        """``tree``, a retrieval step's proposal: its rows kept for the search gate's account and its verification
+        timed by :attr:`_loop` where the gate needs it (one generation alone in its forwards: a batch's step times
+        every generation's rows)."""
+        self._search_rows = tree.size
         if self.search_gate is not None and self._shared[0] == 0:
             self._loop.proposed(tree.size)
         return tree
